@@ -1,0 +1,28 @@
+"""tvm_llm: Hugging Face decoders -> tuned TVM modules for CPU, CUDA and ROCm."""
+from setuptools import find_packages, setup
+
+setup(
+    name="tvm_llm",
+    version="0.1.0",
+    description="Compile Hugging Face LLM checkpoints into tuned native TVM modules (CPU, CUDA, ROCm).",
+    python_requires=">=3.10",
+    packages=find_packages(include=["tvm_llm", "tvm_llm.*", "schedules", "schedules.*"]),
+    package_data={"tvm_llm": ["default_model/*"]},
+    include_package_data=True,
+    install_requires=[
+        "apache-tvm==0.27.0.post1",
+        "apache-tvm-ffi==0.1.14.post1",  # newer releases segfault in tvm.ir.save_json
+        "torch==2.13.0",  # exact: the CPU build on disk; a looser spec pulls a CUDA build
+        "transformers>=5.0,<6",
+        "safetensors",
+        "tokenizers",
+        "numpy",
+        "xgboost-cpu",  # same `xgboost` module without the CUDA/NCCL payload
+        "psutil",  # MetaSchedule's XGBoost model
+        "cloudpickle",  # MetaSchedule worker pools
+        "tornado",  # TVM RPC
+        "ziglang",  # LLVM-22 ld.lld for ROCm code objects and cross links
+    ],
+    extras_require={"test": ["pytest"]},
+    entry_points={"console_scripts": ["tvm-llm = tvm_llm.cli:main"]},
+)

@@ -1,0 +1,50 @@
+"""The interface every target implements."""
+from __future__ import annotations
+
+import os
+
+
+class TargetSpec:
+    """One compilation target. Subclasses fill in the pieces that differ."""
+
+    name = "base"
+    default_dtype = "float32"
+    device_type = "cpu"  # tvm device name used by the runtime: "cpu", "cuda", "rocm"
+
+    def __init__(self, arch: str | None = None, **options):
+        self.arch = arch
+        self.options = options
+
+    def tvm_target(self):
+        """The tvm.target.Target to compile for."""
+        raise NotImplementedError
+
+    def hw_key(self) -> str:
+        """Names the hardware for tuning logs, e.g. cpu-x86_64-avx512, cuda-sm_90, rocm-gfx942."""
+        raise NotImplementedError
+
+    def schedule_passes(self) -> list:
+        """TIR scheduling passes run after fusion (our rules first, then generic fallbacks)."""
+        return []
+
+    def tir_pipeline(self):
+        """Name of a custom TIR lowering pipeline, or None for TVM's default."""
+        return None
+
+    def pass_context_config(self) -> dict:
+        """Extra tvm.transform.PassContext config for this target's compile."""
+        return {}
+
+    def export_library(self, executable, path: str) -> None:
+        """Link the compiled module into a shared library at `path`."""
+        executable.export_library(path)
+
+    def emit_source(self, executable, out_dir: str) -> list[str]:
+        """Write the generated code (assembly / CUDA / PTX) under out_dir; return the files."""
+        os.makedirs(out_dir, exist_ok=True)
+        return []
+
+    def describe(self) -> dict:
+        """What the manifest records about the target."""
+        return {"name": self.name, "arch": self.arch, "tvm_target": str(self.tvm_target()),
+                "hw_key": self.hw_key()}

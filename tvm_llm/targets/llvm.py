@@ -1,0 +1,84 @@
+"""LLVM CPU targets: the host (with its real vector features) or a cross triple (aarch64)."""
+from __future__ import annotations
+
+import os
+
+from . import register_target
+from .base import TargetSpec
+from ..errors import UserError
+
+CROSS_TRIPLES = {"aarch64": "aarch64-linux-gnu", "x86_64": "x86_64-linux-gnu"}
+
+
+def host_cpu_name() -> str:
+    """LLVM's name for this CPU (e.g. znver4, sapphirerapids). TVM's "native" falls back to
+    generic SSE code, so the build always names the CPU explicitly."""
+    import tvm
+
+    return str(tvm.target.codegen.llvm_get_system_cpu())
+
+
+def default_num_threads() -> int:
+    env = os.environ.get("TVM_NUM_THREADS")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@register_target("llvm")
+class LLVMTarget(TargetSpec):
+    name = "llvm"
+    default_dtype = "float32"
+    device_type = "cpu"
+
+    def __init__(self, arch: str | None = None, **options):
+        super().__init__(arch=arch, **options)
+        if arch not in (None, "native", "host") and arch not in CROSS_TRIPLES:
+            raise UserError(f"unknown --arch {arch!r} for llvm: use host (default) or one of "
+                            f"{', '.join(CROSS_TRIPLES)}")
+        self.cross = arch in CROSS_TRIPLES and not arch.startswith(os.uname().machine)
+
+    def tvm_target(self):
+        import tvm
+
+        if self.cross and self.arch == "aarch64":
+            return tvm.target.Target({"kind": "llvm", "mtriple": CROSS_TRIPLES["aarch64"],
+                                      "mattr": ["+neon"], "num-cores": default_num_threads()})
+        return tvm.target.Target({"kind": "llvm", "mtriple": f"{os.uname().machine}-linux-gnu",
+                                  "mcpu": host_cpu_name(), "num-cores": default_num_threads()})
+
+    def vector_isa(self) -> str:
+        """The widest SIMD the target has: avx512, avx2, neon or sse."""
+        import tvm
+
+        t = self.tvm_target()
+        if "aarch64" in str(t.attrs.get("mtriple", "")):
+            return "neon"
+        for isa, feat in (("avx512", "avx512f"), ("avx2", "avx2")):
+            if tvm.target.codegen.llvm_cpu_has_features(feat, t):
+                return isa
+        return "sse"
+
+    def hw_key(self) -> str:
+        arch = "aarch64" if self.cross and self.arch == "aarch64" else os.uname().machine
+        return f"cpu-{arch}-{self.vector_isa()}"
+
+    def schedule_passes(self) -> list:
+        from schedules.cpu import cpu_schedule_pass
+
+        return [cpu_schedule_pass(self)]
+
+    def export_library(self, executable, path: str) -> None:
+        if self.cross:
+            from .cross import cross_compiler
+
+            executable.export_library(path, fcompile=cross_compiler(self.arch))
+        else:
+            executable.export_library(path)
+
+    def emit_source(self, executable, out_dir: str) -> list[str]:
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, "host.s")
+        with open(path, "w") as f:
+            f.write(executable.mod.inspect_source("asm"))
+        return [path]

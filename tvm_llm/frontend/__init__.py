@@ -1,0 +1,31 @@
+"""Frontend: a Hugging Face checkpoint directory or a transformers model -> Relax IRModule.
+
+    imported = import_model(model, dtype="float32", context_window=2048, ...)
+
+No architecture is described by hand: the transformers model is traced with torch.export, its
+attention routed through one custom op that becomes the paged-KV-cache attention.
+"""
+from __future__ import annotations
+
+from .checkpoint import load_model, read_config, safetensors_files, tokenizer_files  # noqa: F401
+from .relax_import import AttentionShape, ImportedModel  # noqa: F401
+
+
+def import_model(model, *, dtype: str, context_window: int, max_batch_size: int,
+                 prefill_chunk_size: int, target):
+    """Trace `model` (a transformers causal LM in eval mode) into an ImportedModel whose
+    module has prefill, decode and create_paged_kv_cache."""
+    import torch
+
+    from .attention import use_paged_attention
+    from .exporter import export_logits_model
+    from .relax_import import add_kv_cache_creation, specialize, to_relax
+
+    model = model.to(getattr(torch, dtype)).eval()
+    use_paged_attention(model, context_window)
+    ep = export_logits_model(model, max_seq=max(context_window, prefill_chunk_size))
+    vocab = model.config.get_text_config().vocab_size
+    imported = to_relax(ep, vocab)
+    mod = specialize(imported.mod, max_batch=max_batch_size, max_tokens=prefill_chunk_size)
+    imported.mod = add_kv_cache_creation(mod, imported.attention, dtype, target)
+    return imported

@@ -1,0 +1,152 @@
+"""The build, in order: import -> passes -> plan -> schedule -> codegen -> export.
+
+`build()` writes the output directory atomically: everything goes into a temporary sibling
+directory that is renamed at the end, so a failed build leaves nothing behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+
+from . import __version__
+from .errors import UserError
+from .runtime import artifact
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _check_output(output_dir: str, force: bool) -> str:
+    output_dir = os.path.abspath(output_dir)
+    if os.path.exists(output_dir) and not force:
+        raise UserError(f"{output_dir} already exists; pass --force (force=True) to replace it")
+    parent = os.path.dirname(output_dir)
+    if not os.path.isdir(parent):
+        raise UserError(f"{parent}: parent directory of the output does not exist; create it first")
+    return output_dir
+
+
+def _tokenizer_info(model_dir: str, config) -> dict:
+    """eos ids and whether the runtime must prepend bos (what transformers' tokenizer does)."""
+    eos = None
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            eos = json.load(f).get("eos_token_id")
+    text_cfg = config.get_text_config()
+    if eos is None:
+        eos = getattr(text_cfg, "eos_token_id", None)
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    bos = getattr(text_cfg, "bos_token_id", None)
+    add_bos = False
+    try:
+        from tokenizers import Tokenizer
+        from transformers import AutoTokenizer
+
+        sample = "Hello world"
+        hf_ids = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)(sample)["input_ids"]
+        raw_ids = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json")).encode(sample).ids
+        add_bos = bos is not None and list(hf_ids) == [bos] + list(raw_ids)
+    except Exception:  # a tokenizer transformers cannot load: use tokenizer.json as it is
+        pass
+    return {"eos_token_ids": eos_ids, "bos_token_id": bos, "add_bos": add_bos}
+
+
+def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | None = None,
+          dtype: str | None = None, force: bool = False, emit_source: bool = False,
+          context_window: int | None = None, max_batch_size: int = 8,
+          prefill_chunk_size: int = 512, page_size: int = 16, kv_cache_tokens: int | None = None,
+          dump_ir: str | None = None, disabled_phases=(), log=print) -> dict:
+    """Compile the Hugging Face checkpoint in `model_dir` into `output_dir`; return the manifest."""
+    from .frontend import import_model, load_model, read_config, tokenizer_files
+    from .passes.pipeline import run_pipeline
+    from .targets import get_target
+
+    t_start = time.perf_counter()
+    spec = get_target(target, arch=arch)
+    dtype = dtype or spec.default_dtype
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    for name, value in (("max_batch_size", max_batch_size), ("prefill_chunk_size", prefill_chunk_size),
+                        ("page_size", page_size)):
+        if not isinstance(value, int) or value < 1:
+            raise UserError(f"{name} must be a positive integer, got {value!r}")
+    output_dir = _check_output(output_dir, force)
+    tvm_target = spec.tvm_target()
+
+    config = read_config(model_dir)
+    tok_files = tokenizer_files(model_dir)
+    text_cfg = config.get_text_config()
+    max_pos = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
+    if context_window is None:
+        context_window = min(max_pos or 2048, 2048)
+    if max_pos and context_window > max_pos:
+        raise UserError(f"--context-window {context_window} exceeds the model's "
+                        f"max_position_embeddings ({max_pos})")
+    kv_cache_tokens = kv_cache_tokens or max(context_window, 4096)
+
+    log(f"[tvm-llm] loading {model_dir} ({config.model_type}, {dtype})")
+    model = load_model(model_dir, config, dtype)
+    log("[tvm-llm] tracing with torch.export and importing into Relax")
+    t0 = time.perf_counter()
+    imported = import_model(model, dtype=dtype, context_window=context_window,
+                            max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
+                            target=tvm_target)
+    del model
+    t_import = time.perf_counter() - t0
+
+    log(f"[tvm-llm] compiling for {spec.name} ({spec.hw_key()})")
+    t0 = time.perf_counter()
+    mod, report = run_pipeline(imported.mod, spec, dump_dir=dump_ir,
+                               disabled=frozenset(disabled_phases))
+    import tvm
+
+    with tvm.transform.PassContext(opt_level=3, config=spec.pass_context_config()):
+        executable = tvm.compile(mod, target=tvm_target, relax_pipeline=None,
+                                 tir_pipeline=spec.tir_pipeline() or "default")
+    t_compile = time.perf_counter() - t0
+
+    tmp = tempfile.mkdtemp(prefix=".tvm-llm-build-", dir=os.path.dirname(output_dir))
+    try:
+        spec.export_library(executable, os.path.join(tmp, artifact.LIBRARY))
+        table = artifact.save_weights(os.path.join(tmp, artifact.WEIGHTS), imported.param_names,
+                                      imported.params)
+        for name in tok_files:
+            shutil.copy(os.path.join(model_dir, name), os.path.join(tmp, name))
+        sources = spec.emit_source(executable, os.path.join(tmp, "source")) if emit_source else []
+        attn = imported.attention
+        manifest = {
+            "tvm_llm_version": __version__,
+            "model": {"model_type": config.model_type,
+                      "architectures": list(getattr(config, "architectures", None) or []),
+                      "vocab_size": imported.vocab_size, "num_layers": attn.num_layers,
+                      "num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads,
+                      "head_dim": attn.head_dim, "max_position_embeddings": max_pos,
+                      "source": os.path.abspath(model_dir)},
+            "dtype": dtype,
+            "target": spec.describe(),
+            "kv_cache": {"page_size": page_size, "max_batch_size": max_batch_size,
+                         "max_total_seq_len": kv_cache_tokens,
+                         "prefill_chunk_size": prefill_chunk_size,
+                         "context_window": context_window},
+            "tokenizer": _tokenizer_info(model_dir, config),
+            "params": table,
+            "report": {"phases": report, "import_seconds": round(t_import, 2),
+                       "compile_seconds": round(t_compile, 2)},
+            "sources": [os.path.relpath(p, tmp) for p in sources],
+        }
+        artifact.write_manifest(os.path.join(tmp, artifact.MANIFEST), manifest)
+        if os.path.exists(output_dir):  # only reached with force=True
+            old = tempfile.mkdtemp(prefix=".tvm-llm-old-", dir=os.path.dirname(output_dir))
+            os.rename(output_dir, os.path.join(old, "out"))
+            os.rename(tmp, output_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, output_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"[tvm-llm] wrote {output_dir} in {time.perf_counter() - t_start:.1f}s")
+    return manifest

@@ -1,0 +1,192 @@
+"""ExportedProgram -> Relax IRModule with prefill/decode functions over a paged KV cache.
+
+The custom attention op becomes TVM's fused-QKV paged attention (`attention_with_fused_qkv`);
+heads, head dim and scale are read from the traced op's arguments, so no architecture is
+described by hand. The module gets three functions:
+  prefill(input_ids (1, n), position_ids (1, n), logit_positions (m,), kv_cache, *weights)
+      -> logits (1, m, vocab): the tokens of several sequences concatenated (ragged batch).
+  decode(input_ids (b, 1), position_ids (b, 1), kv_cache, *weights) -> logits (b, 1, vocab)
+  create_paged_kv_cache(max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+      support_sliding_window) -> the cache object (TVM's TIR paged KV cache).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import UserError
+
+
+@dataclass
+class AttentionShape:
+    """What the traced attention layers need from the cache."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    scales: list = field(default_factory=list)
+
+
+@dataclass
+class ImportedModel:
+    mod: object  # tvm.IRModule
+    param_names: list  # checkpoint names, in the order of the Relax weight params
+    params: list  # numpy arrays, same order
+    attention: AttentionShape
+    vocab_size: int
+
+
+def _attention_converter(layers: dict, cache_var):
+    from tvm import relax as rx
+
+    def convert(node, importer):
+        bb = importer.block_builder
+        q, k, v = (importer.env[a] for a in node.args[:3])
+        layer_id, scale = int(node.args[3]), float(node.args[4])
+        b, nh, s, d = q.ty.shape
+        nkv, dv = k.ty.shape[1], v.ty.shape[3]
+        if int(d) != int(dv):
+            raise UserError(f"layer {layer_id}: value head dim {int(dv)} differs from query head dim "
+                            f"{int(d)}; the paged KV cache needs equal head dims")
+        layers[layer_id] = (int(nh), int(nkv), int(d), int(dv), scale)
+        # (b, h, s, d) -> (b, s, h, d), q | k | v along heads -> (b*s, nh + 2 nkv, d)
+        qkv = bb.emit(rx.op.concat([bb.emit(rx.op.permute_dims(t, [0, 2, 1, 3])) for t in (q, k, v)],
+                                   axis=2))
+        qkv = bb.emit(rx.op.reshape(qkv, [b * s, nh + 2 * nkv, d]))
+        out = bb.emit(rx.call_dps_packed(
+            "vm.builtin.attention_kv_cache_attention_with_fused_qkv",
+            [cache_var, rx.prim_value(layer_id), rx.prim_value(scale), qkv],
+            out_ty=rx.TensorType([b * s, nh, d], q.ty.dtype)))
+        return bb.emit(rx.op.reshape(out, [b, s, nh, d]))
+
+    return {"paged_attention.default": convert}
+
+
+def _weight_sources(ep) -> dict:
+    """Relax weight param name -> (checkpoint name, torch tensor) for every lifted parameter.
+    Buffers and constants (e.g. rotary inv_freq) are bound into the module as constants."""
+    from torch.export.graph_signature import InputKind
+
+    out = {}
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind == InputKind.PARAMETER:
+            name = spec.target[len("model."):] if spec.target.startswith("model.") else spec.target
+            out[spec.arg.name] = (name, ep.state_dict[spec.target])
+    return out
+
+
+def to_relax(ep, vocab_size: int) -> ImportedModel:
+    """Convert the exported program into the forward Relax function (one symbolic batch/seq)."""
+    import tvm
+    from tvm import relax as rx
+    from tvm.relax.frontend.torch import from_exported_program
+
+    layers: dict = {}
+    cache_var = rx.Var("paged_kv_cache", rx.ObjectType())
+    mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,
+                                custom_convert_map=_attention_converter(layers, cache_var))
+    func = mod["main"]
+    n_in = int(func.attrs["num_input"])
+    sources = _weight_sources(ep)
+    names, weights = [], []
+    for var in func.params[n_in:]:
+        name, tensor = sources[var.name]
+        names.append(name)
+        weights.append(tensor.detach().contiguous().numpy() if tensor.dtype != _bf16()
+                       else tensor.detach().float().numpy().astype(_np_bf16()))
+    if not layers:
+        raise UserError("no attention layer was traced: the model does not route attention through "
+                        "transformers' attention interface, so tvm_llm cannot import it")
+    ids = sorted(layers)
+    if ids != list(range(len(ids))):
+        raise UserError(f"traced attention layers {ids} are not numbered 0..{len(ids) - 1}")
+    shapes = {v[:4] for v in layers.values()}
+    if len(shapes) != 1:
+        raise UserError(f"attention layers differ in heads/head dim {sorted(shapes)}; the paged "
+                        "KV cache needs one shape for all layers")
+    nh, nkv, d, dv = shapes.pop()
+    attn = AttentionShape(len(ids), nh, nkv, d, dv, [layers[i][4] for i in ids])
+
+    # forward(input_ids, position_ids, logit_positions, kv_cache, *weights) -> logits
+    params = list(func.params)
+    attrs = {k: v for k, v in func.attrs.items() if k != "params"}
+    attrs["num_input"] = n_in + 1
+    forward = rx.Function(params[:n_in] + [cache_var] + params[n_in:], func.body, func.ret_ty,
+                          func.is_pure, tvm.ir.DictAttrs(attrs))
+    return ImportedModel(tvm.IRModule({"forward": forward}), names, weights, attn, vocab_size)
+
+
+def _bf16():
+    import torch
+
+    return torch.bfloat16
+
+
+def _np_bf16():
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+def _sym_vars(func):
+    """(batch, seq, kept) symbolic variables of the forward function."""
+    ids_shape = func.params[0].ty.shape
+    keep_shape = func.params[2].ty.shape
+    return ids_shape[0], ids_shape[1], keep_shape[0]
+
+
+def specialize(mod, max_batch: int, max_tokens: int):
+    """Derive prefill (batch 1) and decode (seq 1, last logit) from the forward function."""
+    import tvm
+    from tvm import relax as rx
+    from tvm.relax.utils import copy_with_new_vars
+
+    forward = mod["forward"]
+    batch, seq, kept = _sym_vars(forward)
+    prefill = forward.bind_symbolic_vars({batch: 1})
+    prefill = prefill.with_attrs({"global_symbol": "prefill", "num_input": 4,
+                                  "tir_var_upper_bound": {seq.name: max_tokens, kept.name: max_tokens},
+                                  "tir_var_lower_bound": {seq.name: 1, kept.name: 1}})
+    decode = forward.bind_symbolic_vars({seq: 1, kept: 1})
+    decode = decode.bind_params({decode.params[2]: rx.const(np.zeros((1,), "int64"))})
+    decode = decode.with_attrs({"global_symbol": "decode", "num_input": 3,
+                                "tir_var_upper_bound": {batch.name: max_batch},
+                                "tir_var_lower_bound": {batch.name: 1}})
+    # both came from one function: give each its own variables (passes need SSA per module)
+    return tvm.IRModule({"prefill": copy_with_new_vars(prefill), "decode": copy_with_new_vars(decode)})
+
+
+def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target):
+    """Add create_paged_kv_cache (TVM's TIR paged KV cache for this target and dtype)."""
+    from tvm import relax as rx
+    from tvm import tirx
+    from tvm.relax.frontend import nn
+    from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+
+    class CacheFactory(nn.Module):
+        def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
+                                  prefill_chunk_size: tirx.Var, page_size: tirx.Var,
+                                  support_sliding_window: tirx.Var) -> PagedKVCache:
+            return TIRPagedKVCache(
+                attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
+                prefill_chunk_size=prefill_chunk_size, page_size=page_size,
+                support_sliding_window=support_sliding_window,
+                layer_partition=rx.ShapeExpr([0, attn.num_layers]),
+                num_hidden_layers=attn.num_layers, num_attention_heads=attn.num_heads,
+                num_key_value_heads=attn.num_kv_heads, qk_head_dim=attn.head_dim,
+                v_head_dim=attn.v_head_dim, mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
+                rope_mode=RopeMode.NONE, rope_scale=1, rope_theta=10000, rope_scaling={},
+                rope_ext_factors=rx.prim_value(0), rotary_dim=attn.head_dim,
+                enable_disaggregation=False, dtype=dtype, target=target)
+
+    spec = {"create_paged_kv_cache": {"max_batch_size": int, "max_total_seq_len": int,
+                                      "prefill_chunk_size": int, "page_size": int,
+                                      "support_sliding_window": int,
+                                      "$": {"param_mode": "none", "effect_mode": "none"}}}
+    kv_mod, _ = CacheFactory().export_tvm(spec=spec)
+    for gv, func in mod.functions_items():
+        kv_mod[gv.name_hint] = func
+    return kv_mod

@@ -1,0 +1,252 @@
+"""Engine: load an output directory and generate text with the TVM runtime alone.
+
+Imports only the TVM runtime, numpy and tokenizers (never torch or transformers), so the
+exported directory deploys on a machine without the compiler stack.
+
+    engine = Engine("out/")
+    engine.generate("def fib(n):", max_new_tokens=32)                   # -> str
+    engine.generate(["a", "b"], temperature=0.8, top_p=0.9, seed=0)     # -> list[str]
+    for i, piece in engine.stream(["a", "b"]): ...                      # tokens as they come
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import artifact
+from .kv_cache import PagedKVCache, PagePoolFull  # noqa: F401  (re-exported)
+from .sampling import SamplingParams, sample
+
+
+def configure_threads(num_threads: int | None = None) -> int:
+    """Size TVM's CPU thread pool: all cores unless told otherwise (TVM defaults to 1 here)."""
+    n = num_threads or int(os.environ.get("TVM_NUM_THREADS", "0") or 0) or len(os.sched_getaffinity(0))
+    os.environ["TVM_NUM_THREADS"] = str(n)
+    import tvm
+
+    tvm.get_global_func("runtime.config_threadpool")(0, n)
+    return n
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt_ids: list
+    max_new_tokens: int
+    params: SamplingParams
+    rng: np.random.Generator
+    stop_ids: set
+    seq_id: int = -1
+    output_ids: list = field(default_factory=list)
+    done: bool = False
+    emitted_text: str = ""
+
+
+class Engine:
+    """Generation over a compiled output directory."""
+
+    def __init__(self, out_dir: str, device: str | None = None, num_threads: int | None = None,
+                 max_batch_size: int | None = None, kv_cache_tokens: int | None = None):
+        self.out_dir = out_dir
+        self.manifest = artifact.read_manifest(out_dir)
+        kv_cfg = self.manifest["kv_cache"]
+        device = device or self.manifest["target"].get("device_type", "cpu")
+        self.num_threads = configure_threads(num_threads)
+        import tvm
+        from tvm.runtime import load_module
+        from tvm.runtime.vm import VirtualMachine
+
+        self.device = tvm.device(device)
+        lib = load_module(os.path.join(out_dir, artifact.LIBRARY))
+        self.vm = VirtualMachine(lib, self.device)
+        host = artifact.load_weights(os.path.join(out_dir, artifact.WEIGHTS), self.manifest["params"])
+        self.weights = [tvm.runtime.tensor(w, self.device) for w in host]
+        self._tvm = tvm
+        self.cache = PagedKVCache(
+            self.vm, max_batch_size or kv_cfg["max_batch_size"],
+            kv_cache_tokens or kv_cfg["max_total_seq_len"], kv_cfg["prefill_chunk_size"],
+            kv_cfg["page_size"])
+        self.context_window = kv_cfg["context_window"]
+        self._tokenizer = None
+        tok = self.manifest["tokenizer"]
+        self.eos_token_ids = set(tok.get("eos_token_ids") or [])
+        self.add_bos = bool(tok.get("add_bos"))
+        self.bos_token_id = tok.get("bos_token_id")
+
+    # -------------------------------------------------------------- tokenizer
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(os.path.join(self.out_dir, "tokenizer.json"))
+        return self._tokenizer
+
+    def encode(self, text: str) -> list:
+        ids = self.tokenizer.encode(text).ids
+        if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # -------------------------------------------------------------- model calls
+    def _tensor(self, arr):
+        return self._tvm.runtime.tensor(arr, self.device)
+
+    def prefill(self, chunks: list) -> np.ndarray:
+        """chunks: [(seq_id, token ids)] -> last-token logits per chunk, shape (len(chunks), vocab).
+        The caller keeps the total under the prefill chunk size."""
+        seq_ids = [sid for sid, _ in chunks]
+        lengths = [len(t) for _, t in chunks]
+        starts = [self.cache.sequences[sid] for sid in seq_ids]
+        ids = np.concatenate([np.asarray(t, dtype="int64") for _, t in chunks])[None]
+        pos = np.concatenate([np.arange(s, s + n, dtype="int64") for s, n in zip(starts, lengths)])[None]
+        last = np.cumsum(lengths, dtype="int64") - 1
+        return self.prefill_positions(seq_ids, lengths, ids, pos, last)[0]
+
+    def prefill_positions(self, seq_ids, lengths, ids, pos, logit_positions) -> np.ndarray:
+        """Low-level prefill: explicit positions and the token indices to return logits for."""
+        self.cache.begin(seq_ids, lengths)
+        try:
+            out = self.vm["prefill"](self._tensor(ids), self._tensor(pos),
+                                     self._tensor(np.asarray(logit_positions, dtype="int64")),
+                                     self.cache.handle, *self.weights)
+        finally:
+            self.cache.end()
+        return out.numpy().astype(np.float32, copy=False)
+
+    def decode_step(self, seq_ids: list, tokens: list) -> np.ndarray:
+        """One token per sequence -> logits (len(seq_ids), vocab)."""
+        pos = np.array([[self.cache.sequences[s]] for s in seq_ids], dtype="int64")
+        self.cache.begin(seq_ids, [1] * len(seq_ids))
+        try:
+            out = self.vm["decode"](self._tensor(np.asarray(tokens, dtype="int64")[:, None]),
+                                    self._tensor(pos), self.cache.handle, *self.weights)
+        finally:
+            self.cache.end()
+        return out.numpy()[:, 0].astype(np.float32, copy=False)
+
+    # -------------------------------------------------------------- generation
+    def _prefill_requests(self, reqs: list) -> None:
+        """Prefill every request's prompt, packing several per call up to the chunk size."""
+        limit = self.cache.prefill_chunk_size
+        pending = [(r, list(r.prompt_ids)) for r in reqs]
+        while pending:
+            batch, room = [], limit
+            for r, toks in pending:
+                if room == 0:
+                    break
+                take = toks[:room]
+                batch.append((r, take))
+                room -= len(take)
+            logits = self.prefill([(r.seq_id, t) for r, t in batch])
+            taken = {id(r): len(t) for r, t in batch}
+            rest = []
+            for (r, toks) in pending:
+                left = toks[taken.get(id(r), 0):]
+                if left:
+                    rest.append((r, left))
+            for row, (r, t) in zip(logits, batch):
+                if not any(r is q for q, _ in rest):  # prompt finished: first token from here
+                    self._accept(r, sample(row, r.params, r.rng))
+            pending = rest
+
+    def _accept(self, r: _Request, token: int) -> None:
+        r.output_ids.append(token)
+        total = len(r.prompt_ids) + len(r.output_ids)
+        if (token in r.stop_ids or len(r.output_ids) >= r.max_new_tokens
+                or total >= self.context_window):
+            r.done = True
+
+    def _text_delta(self, r: _Request) -> str:
+        text = self.decode(r.output_ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
+            return ""
+        delta, r.emitted_text = text[len(r.emitted_text):], text
+        return delta
+
+    def stream(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int | None = None, stop_token_ids=None,
+               ignore_eos: bool = False):
+        """Yield (prompt index, text piece) as tokens are produced, for all prompts at once."""
+        for index, _token, piece in self._run(prompts, max_new_tokens, temperature, top_k, top_p,
+                                               seed, stop_token_ids, ignore_eos):
+            if piece:
+                yield index, piece
+
+    def generate_ids(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
+                     top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                     stop_token_ids=None, ignore_eos: bool = False) -> list:
+        """Token ids generated for each prompt (a str or a list of token ids)."""
+        out: dict = {}
+        for index, token, _ in self._run(prompts, max_new_tokens, temperature, top_k, top_p, seed,
+                                         stop_token_ids, ignore_eos, text=False):
+            out.setdefault(index, []).append(token)
+        n = len(prompts) if isinstance(prompts, list) and not _is_id_list(prompts) else 1
+        return [out.get(i, []) for i in range(n)]
+
+    def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop_token_ids=None,
+                 ignore_eos: bool = False):
+        """Generated text: a str for one prompt, a list of str for a list of prompts."""
+        single = isinstance(prompts, str) or _is_id_list(prompts)
+        ids = self.generate_ids(prompts, max_new_tokens, temperature, top_k, top_p, seed,
+                                stop_token_ids, ignore_eos)
+        texts = [self.decode(x) for x in ids]
+        return texts[0] if single else texts
+
+    def _run(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
+             ignore_eos, text=True):
+        if isinstance(prompts, str) or _is_id_list(prompts):
+            prompts = [prompts]
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        params.validate()
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        stop = set(stop_token_ids or []) | (set() if ignore_eos else self.eos_token_ids)
+        reqs = []
+        for i, p in enumerate(prompts):
+            ids = self.encode(p) if isinstance(p, str) else [int(t) for t in p]
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            if len(ids) >= self.context_window:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens; the context window is "
+                                 f"{self.context_window}")
+            rng = np.random.default_rng(None if seed is None else seed + i)
+            reqs.append(_Request(i, ids, max_new_tokens, params, rng, stop))
+        # admit as many sequences as the cache holds at once; the rest wait their turn
+        waiting = list(reqs)
+        active: list = []
+        try:
+            while waiting or active:
+                admit = []
+                while waiting and len(active) + len(admit) < self.cache.max_batch_size:
+                    r = waiting.pop(0)
+                    r.seq_id = self.cache.add()
+                    admit.append(r)
+                if admit:
+                    self._prefill_requests(admit)
+                    for r in admit:
+                        yield r.index, r.output_ids[-1], self._text_delta(r) if text else ""
+                    active += admit
+                for r in [r for r in active if r.done]:
+                    self.cache.remove(r.seq_id)
+                    active.remove(r)
+                if not active:
+                    continue
+                logits = self.decode_step([r.seq_id for r in active], [r.output_ids[-1] for r in active])
+                for row, r in zip(logits, active):
+                    self._accept(r, sample(row, r.params, r.rng))
+                    yield r.index, r.output_ids[-1], self._text_delta(r) if text else ""
+        finally:
+            for r in reqs:
+                if r.seq_id in self.cache.sequences:
+                    self.cache.remove(r.seq_id)
+
+
+def _is_id_list(p) -> bool:
+    return isinstance(p, (list, tuple)) and len(p) > 0 and all(isinstance(t, (int, np.integer)) for t in p)

@@ -7,11 +7,8 @@
 __version__ = "0.1.0"
 
 
-def build(*args, **kwargs):
-    """Compile a checkpoint directory into an output directory; see tvm_llm.build_api.build."""
-    from .build import build as _build
-
-    return _build(*args, **kwargs)
+# bound eagerly: the submodule tvm_llm.build would otherwise shadow the function once imported
+from .build import build  # noqa: E402  (imports no torch at module level)
 
 
 def __getattr__(name):

@@ -47,9 +47,12 @@ def save_weights(path: str, names: list, arrays: list) -> list:
 
 def load_weights(path: str, table: list) -> list:
     """Memory-map the weights file and return one numpy view per parameter."""
+    from ..errors import UserError
+
     blob = np.memmap(path, dtype=np.uint8, mode="r")
     if blob.size < (table[-1]["offset"] + table[-1]["nbytes"] if table else 0):
-        raise ValueError(f"{path}: file is shorter than the manifest's parameter table says")
+        raise UserError(f"{path}: file is shorter than the manifest's parameter table says; "
+                        "rebuild the output directory")
     out = []
     for entry in table:
         dt = _np_dtype(entry["dtype"])
@@ -65,6 +68,18 @@ def write_manifest(path: str, manifest: dict) -> None:
 
 
 def read_manifest(out_dir: str) -> dict:
+    from ..errors import UserError
+
     path = os.path.join(out_dir, MANIFEST)
-    with open(path) as f:
-        return json.load(f)
+    if not os.path.isfile(path):
+        raise UserError(f"{out_dir}: not a tvm-llm output directory (no {MANIFEST}); "
+                        "create one with `tvm-llm build MODEL_DIR -o OUT`")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: corrupt manifest ({e}); rebuild the output directory") from None
+    for name in (LIBRARY, WEIGHTS):
+        if not os.path.isfile(os.path.join(out_dir, name)):
+            raise UserError(f"{out_dir}: {name} is missing; rebuild the output directory")
+    return manifest

@@ -50,7 +50,7 @@ class Engine:
     def __init__(self, out_dir: str, device: str | None = None, num_threads: int | None = None,
                  max_batch_size: int | None = None, kv_cache_tokens: int | None = None):
         self.out_dir = out_dir
-        self.manifest = artifact.read_manifest(out_dir)
+        self.manifest = artifact.read_manifest(out_dir)  # UserError if not an output directory
         kv_cfg = self.manifest["kv_cache"]
         device = device or self.manifest["target"].get("device_type", "cpu")
         self.num_threads = configure_threads(num_threads)

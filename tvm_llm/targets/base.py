@@ -47,4 +47,4 @@ class TargetSpec:
     def describe(self) -> dict:
         """What the manifest records about the target."""
         return {"name": self.name, "arch": self.arch, "tvm_target": str(self.tvm_target()),
-                "hw_key": self.hw_key()}
+                "hw_key": self.hw_key(), "device_type": self.device_type}

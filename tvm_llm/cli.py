@@ -1,0 +1,145 @@
+"""tvm-llm command line: parses arguments and calls the Python API (no logic of its own)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .errors import UserError
+
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
+
+
+def _build(args) -> None:
+    from .build import build
+
+    build(args.model_dir, args.output, target=args.target, arch=args.arch, dtype=args.dtype,
+          force=args.force, emit_source=args.emit_source, context_window=args.context_window,
+          max_batch_size=args.max_batch_size, prefill_chunk_size=args.prefill_chunk_size,
+          page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens, dump_ir=args.dump_ir)
+
+
+def _generate(args) -> None:
+    from .runtime.engine import Engine
+
+    engine = Engine(args.output_dir, num_threads=args.threads)
+    prompts = args.prompt or ["The "]
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                  top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                  stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos)
+    if len(prompts) == 1:  # stream the text as it is produced
+        sys.stdout.write(prompts[0])
+        for _, piece in engine.stream(prompts, **kwargs):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return
+    for i, text in enumerate(engine.generate(prompts, **kwargs)):
+        print(f"--- [{i}] {prompts[i]}{text}")
+
+
+def _inspect(args) -> None:
+    from .report import format_manifest
+    from .runtime.artifact import read_manifest
+
+    print(format_manifest(read_manifest(args.output_dir)))
+
+
+def _demo(args) -> None:
+    out = args.output
+    print(f"$ tvm-llm build {DEFAULT_MODEL_DIR} -o {out} --force")
+    from .build import build
+
+    build(DEFAULT_MODEL_DIR, out, force=True)
+    for prompt in args.prompt or ["The for statement", "A class definition"]:
+        print(f'$ tvm-llm generate {out} --prompt "{prompt}"')
+        gen = argparse.Namespace(output_dir=out, prompt=[prompt], max_new_tokens=args.max_new_tokens,
+                                 temperature=0.0, top_k=0, top_p=1.0, seed=None, stop_token_id=None,
+                                 ignore_eos=False, threads=None)
+        _generate(gen)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tvm-llm", description=(
+        "Compile a Hugging Face causal LM checkpoint into a native TVM module and run it."))
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    b = sub.add_parser("build", help="compile a checkpoint directory into an output directory",
+                       description="Compile MODEL_DIR (config.json + *.safetensors + tokenizer.json) "
+                                   "into OUT: model.so, weights.bin, manifest.json, tokenizer.")
+    b.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face checkpoint directory")
+    b.add_argument("-o", "--output", required=True, metavar="OUT", help="output directory to create")
+    b.add_argument("--target", default="llvm", help="llvm (CPU, default), cuda or rocm")
+    b.add_argument("--arch", default=None,
+                   help="llvm: host (default) or aarch64; cuda: sm_80, sm_90; rocm: gfx90a, gfx942")
+    b.add_argument("--dtype", default=None, help="float32 (CPU default), float16 (GPU default), bfloat16")
+    b.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    b.add_argument("--emit-source", action="store_true", help="also write generated code to OUT/source/")
+    b.add_argument("--dump-ir", metavar="DIR", default=None, help="write the IR after each pass phase")
+    b.add_argument("--context-window", type=_positive_int, default=None,
+                   help="longest sequence in tokens (default: min(max_position_embeddings, 2048))")
+    b.add_argument("--max-batch-size", type=_positive_int, default=8,
+                   help="sequences decoded together (default 8)")
+    b.add_argument("--prefill-chunk-size", type=_positive_int, default=512,
+                   help="tokens per prefill call (default 512)")
+    b.add_argument("--page-size", type=_positive_int, default=16, help="KV cache page size in tokens")
+    b.add_argument("--kv-cache-tokens", type=_positive_int, default=None,
+                   help="KV cache capacity in tokens, all sequences together")
+    b.set_defaults(func=_build)
+
+    g = sub.add_parser("generate", help="generate text with a built output directory")
+    g.add_argument("output_dir", metavar="OUT", help="directory written by `tvm-llm build`")
+    g.add_argument("--prompt", action="append", help="prompt text (repeat for several prompts)")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop-token-id", type=int, action="append", help="extra stop token id")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
+    g.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads (default: all cores, or $TVM_NUM_THREADS)")
+    g.set_defaults(func=_generate)
+
+    i = sub.add_parser("inspect", help="print an output directory's manifest and build report")
+    i.add_argument("output_dir", metavar="OUT")
+    i.set_defaults(func=_inspect)
+
+    d = sub.add_parser("demo", help="build the bundled tiny model for this CPU and generate")
+    d.add_argument("-o", "--output", default="tvm-llm-demo", metavar="OUT")
+    d.add_argument("--prompt", action="append")
+    d.add_argument("--max-new-tokens", type=_positive_int, default=48)
+    d.set_defaults(func=_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except UserError as e:
+        print(f"tvm-llm: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except ValueError as e:  # bad generation parameters from the runtime API
+        if args.command == "generate":
+            print(f"tvm-llm: error: {e}", file=sys.stderr)
+            return 2
+        raise
+    except KeyboardInterrupt:
+        print("tvm-llm: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

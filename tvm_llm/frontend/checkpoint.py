@@ -62,13 +62,17 @@ def load_model(model_dir: str, config, dtype: str):
     """
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    # our own errors below say what is wrong; transformers' tables and progress bars would not
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     safetensors_files(model_dir)
     torch_dtype = getattr(torch, dtype)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             model_dir, config=config, dtype=torch_dtype, use_safetensors=True,
-            local_files_only=True, output_loading_info=True)
+            local_files_only=True, output_loading_info=True, ignore_mismatched_sizes=True)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "size mismatch" in str(e) or "shape" in str(e).lower():
@@ -76,7 +80,7 @@ def load_model(model_dir: str, config, dtype: str):
         raise UserError(f"{model_dir}: cannot load the safetensors weights ({first})") from None
     mismatched = info.get("mismatched_keys") or []
     if mismatched:
-        key, found, expected = _mismatch_parts(mismatched[0])
+        key, found, expected = _mismatch_parts(sorted(mismatched, key=str)[0])
         raise UserError(f"{model_dir}: tensor {key} has shape {found} but config.json implies "
                         f"{expected}; the weights and config.json do not match")
     missing = sorted(info.get("missing_keys") or [])

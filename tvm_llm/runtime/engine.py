@@ -18,14 +18,14 @@ import numpy as np
 from . import artifact
 from .kv_cache import PagedKVCache, PagePoolFull  # noqa: F401  (re-exported)
 from .sampling import SamplingParams, sample
+from .tvm_import import import_tvm
 
 
 def configure_threads(num_threads: int | None = None) -> int:
     """Size TVM's CPU thread pool: all cores unless told otherwise (TVM defaults to 1 here)."""
     n = num_threads or int(os.environ.get("TVM_NUM_THREADS", "0") or 0) or len(os.sched_getaffinity(0))
     os.environ["TVM_NUM_THREADS"] = str(n)
-    import tvm
-
+    tvm = import_tvm()
     tvm.get_global_func("runtime.config_threadpool")(0, n)
     return n
 
@@ -54,7 +54,7 @@ class Engine:
         kv_cfg = self.manifest["kv_cache"]
         device = device or self.manifest["target"].get("device_type", "cpu")
         self.num_threads = configure_threads(num_threads)
-        import tvm
+        tvm = import_tvm()
         from tvm.runtime import load_module
         from tvm.runtime.vm import VirtualMachine
 

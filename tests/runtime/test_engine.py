@@ -1,0 +1,114 @@
+"""Runtime behaviour: fresh process without torch, sampling, stop tokens, streaming, queueing."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tvm_llm.runtime.sampling import SamplingParams, sample
+
+PROMPTS = [[5, 9, 33, 41, 7], [100, 3, 250, 17, 18, 19, 60, 61], [11, 12]]
+
+
+@pytest.fixture(scope="module")
+def engine(built):
+    from tvm_llm import Engine
+
+    return Engine(built("llama"))
+
+
+def test_fresh_process_reproduces_tokens_without_torch(built, engine):
+    out = built("llama")
+    expected = engine.generate_ids(PROMPTS, max_new_tokens=16, ignore_eos=True)
+    # torch and transformers are made unimportable: the runtime must not need them at all
+    code = f"""
+import importlib.abc, json, sys
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ImportError("blocked: " + name)
+sys.meta_path.insert(0, NoTorch())
+from tvm_llm import Engine
+eng = Engine({out!r})
+ids = eng.generate_ids({PROMPTS!r}, max_new_tokens=16, ignore_eos=True)
+text = eng.generate("the quick", max_new_tokens=4)
+banned = [m for m in ("torch", "transformers") if m in sys.modules]
+print(json.dumps({{"ids": ids, "banned": banned, "text": text}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["banned"] == []
+    assert result["ids"] == expected
+    assert isinstance(result["text"], str)
+
+
+def test_more_prompts_than_batch_slots_queue_and_match(engine):
+    # the build allows 4 sequences at once: 7 prompts must wait their turn and still match
+    prompts = [[3 + i, 40 + 2 * i, 77] for i in range(7)]
+    together = engine.generate_ids(prompts, max_new_tokens=6, ignore_eos=True)
+    alone = [engine.generate_ids([p], max_new_tokens=6, ignore_eos=True)[0] for p in prompts]
+    assert together == alone
+    assert engine.cache.free_pages() == engine.cache.total_pages
+
+
+def test_stop_token_ends_generation(engine):
+    greedy = engine.generate_ids([PROMPTS[0]], max_new_tokens=12, ignore_eos=True)[0]
+    stop = greedy[4]
+    cut = engine.generate_ids([PROMPTS[0]], max_new_tokens=12, ignore_eos=True, stop_token_ids=[stop])[0]
+    assert cut == greedy[: greedy.index(stop) + 1]
+
+
+def test_max_new_tokens_is_respected(engine):
+    assert [len(x) for x in engine.generate_ids(PROMPTS, max_new_tokens=3, ignore_eos=True)] == [3, 3, 3]
+
+
+def test_sampling_is_seeded_and_varies(engine):
+    kw = dict(max_new_tokens=12, temperature=1.5, top_k=50, top_p=0.95, ignore_eos=True)
+    a = engine.generate_ids(PROMPTS, seed=7, **kw)
+    b = engine.generate_ids(PROMPTS, seed=7, **kw)
+    c = engine.generate_ids(PROMPTS, seed=8, **kw)
+    assert a == b
+    assert a != c
+
+
+def test_stream_pieces_concatenate_to_generate(engine):
+    prompts = ["the quick brown", "def main"]
+    pieces = {0: "", 1: ""}
+    for i, piece in engine.stream(prompts, max_new_tokens=10, ignore_eos=True):
+        pieces[i] += piece
+    assert [pieces[0], pieces[1]] == engine.generate(prompts, max_new_tokens=10, ignore_eos=True)
+
+
+def test_bad_generation_parameters(engine):
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate("x", top_p=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate("x", max_new_tokens=0)
+
+
+def test_greedy_sampling_picks_argmax():
+    logits = np.array([0.1, 3.0, -1.0, 2.9])
+    assert sample(logits, SamplingParams(), np.random.default_rng(0)) == 1
+
+
+def test_top_k_and_top_p_restrict_the_choices():
+    rng = np.random.default_rng(0)
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    top1 = {sample(logits, SamplingParams(temperature=1.0, top_k=1), rng) for _ in range(50)}
+    assert top1 == {0}
+    nucleus = {sample(logits, SamplingParams(temperature=1.0, top_p=0.7), rng) for _ in range(300)}
+    assert nucleus == {0, 1}  # 0.5 + 0.3 covers 0.7
+    every = {sample(logits, SamplingParams(temperature=1.0), rng) for _ in range(2000)}
+    assert every == {0, 1, 2, 3}
+
+
+def test_temperature_sharpens_the_distribution():
+    rng = np.random.default_rng(1)
+    logits = np.array([1.0, 0.0])
+    cold = sum(sample(logits, SamplingParams(temperature=0.1), rng) == 0 for _ in range(500))
+    hot = sum(sample(logits, SamplingParams(temperature=5.0), rng) == 0 for _ in range(500))
+    assert cold > 490 and 200 < hot < 350

@@ -1,0 +1,166 @@
+"""Prefill and decode speed of tvm_llm against transformers eager, measured in one run.
+
+    python scripts/bench.py --shape llama-110m --threads 2
+
+Random fp32 weights of a Llama shape (speed does not depend on values), batch 1, a prompt of
+--prompt-len tokens, then --gen-len greedy tokens. Systems are measured interleaved, --repeats
+times each, and medians are printed with ratios. Never a test: figures, not assertions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+SHAPES = {
+    "llama-110m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                       num_key_value_heads=4, intermediate_size=2048, vocab_size=32000),
+    "llama-1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
+                     num_key_value_heads=4, intermediate_size=5632, vocab_size=32000),
+    "llama-tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=256, vocab_size=1000),
+}
+CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tvm_llm", "bench")
+
+
+def make_checkpoint(shape: str) -> str:
+    """A random-weight Llama checkpoint of `shape` (cached), with the bundled tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = os.path.join(CACHE, shape)
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return path
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=2048, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    here = os.path.dirname(os.path.abspath(__file__))
+    tok_dir = os.path.join(here, "..", "tvm_llm", "default_model")
+    shutil.copy(os.path.join(tok_dir, "tokenizer.json"), tmp)  # ids < 32000: any tokenizer will do
+    os.replace(tmp, path) if not os.path.exists(path) else (shutil.rmtree(path), os.replace(tmp, path))
+    return path
+
+
+def build_model(ckpt: str, shape: str, rebuild: bool, **build_kwargs) -> str:
+    import tvm_llm
+
+    tag = build_kwargs.pop("tag", "default")
+    out = os.path.join(CACHE, f"{shape}-{tag}-out")
+    if rebuild or not os.path.isfile(os.path.join(out, "manifest.json")):
+        t0 = time.perf_counter()
+        tvm_llm.build(ckpt, out, force=True, log=lambda *a: None, **build_kwargs)
+        print(f"# built {shape} [{tag}] in {time.perf_counter() - t0:.1f}s -> {out}", flush=True)
+    return out
+
+
+class TransformersRunner:
+    name = "transformers eager"
+
+    def __init__(self, ckpt: str, threads: int):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+    def run(self, prompt, gen_len):
+        torch = self.torch
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            out = self.model(ids, use_cache=True)
+            t1 = time.perf_counter()
+            cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            t2 = time.perf_counter()
+            for _ in range(gen_len):
+                out = self.model(tok, past_key_values=cache, use_cache=True)
+                cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            t3 = time.perf_counter()
+        return t1 - t0, t3 - t2
+
+
+class TvmRunner:
+    def __init__(self, out: str, threads: int, name="tvm_llm"):
+        from tvm_llm import Engine
+
+        self.name = name
+        self.engine = Engine(out, num_threads=threads, max_batch_size=1)
+
+    def run(self, prompt, gen_len):
+        import numpy as np
+
+        eng = self.engine
+        sid = eng.cache.add()
+        t0 = time.perf_counter()
+        logits = eng.prefill([(sid, prompt)])
+        t1 = time.perf_counter()
+        tok = int(np.argmax(logits[0]))
+        t2 = time.perf_counter()
+        for _ in range(gen_len):
+            tok = int(np.argmax(eng.decode_step([sid], [tok])[0]))
+        t3 = time.perf_counter()
+        eng.cache.remove(sid)
+        return t1 - t0, t3 - t2
+
+
+def measure(runners, prompt_len, gen_len, repeats, warmup=1):
+    import numpy as np
+
+    prompt = [int(t) for t in np.random.default_rng(0).integers(10, 1000, size=prompt_len)]
+    samples = {r.name: [] for r in runners}
+    for rep in range(warmup + repeats):
+        for r in runners:  # interleaved, so machine noise hits every system alike
+            pre, dec = r.run(prompt, gen_len)
+            if rep >= warmup:
+                samples[r.name].append((prompt_len / pre, gen_len / dec))
+    return {name: {"prefill_tok_s": statistics.median(s[0] for s in v),
+                   "decode_tok_s": statistics.median(s[1] for s in v)} for name, v in samples.items()}
+
+
+def print_table(results, reference="transformers eager"):
+    ref = results.get(reference)
+    print(f"{'system':<28}{'prefill tok/s':>15}{'decode tok/s':>15}{'prefill x':>11}{'decode x':>10}")
+    for name, r in results.items():
+        rp = f"{r['prefill_tok_s'] / ref['prefill_tok_s']:.2f}" if ref else "-"
+        rd = f"{r['decode_tok_s'] / ref['decode_tok_s']:.2f}" if ref else "-"
+        print(f"{name:<28}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>15.2f}{rp:>11}{rd:>10}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="llama-110m", choices=sorted(SHAPES))
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--gen-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rebuild", action="store_true", help="rebuild even if a cached build exists")
+    p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = p.parse_args(argv)
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)
+
+    ckpt = make_checkpoint(args.shape)
+    out = build_model(ckpt, args.shape, args.rebuild)
+    runners = [] if args.no_transformers else [TransformersRunner(ckpt, args.threads)]
+    runners.append(TvmRunner(out, args.threads))
+    print(f"# {args.shape}, fp32, batch 1, prompt {args.prompt_len}, generate {args.gen_len}, "
+          f"{args.threads} threads, median of {args.repeats}", flush=True)
+    results = measure(runners, args.prompt_len, args.gen_len, args.repeats)
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -84,7 +84,7 @@ class ROCmTarget(TargetSpec):
     def emit_source(self, executable, out_dir: str) -> list[str]:
         os.makedirs(out_dir, exist_ok=True)
         written = []
-        devices = [m for m in _all_imports(executable.mod) if m.kind == "rocm"]
+        devices = [m for m in _all_imports(executable.mod) if m.kind in ("hip", "rocm")]
         for i, dev in enumerate(devices):
             suffix = "" if i == 0 else str(i)
             for name, fmt in ((f"device{suffix}.s", "asm"), (f"device{suffix}.ll", "ll")):
@@ -125,11 +125,16 @@ def install_rocm_toolchain() -> None:
                                  lambda obj: bytearray(link_code_object(obj)), override=True)
     tvm_ffi.register_global_func("tvm_callback_rocm_bitcode_path", lambda *_: [], override=True)
     for op_name, rule in MATH_RULES.items():
-        tvm.ir.register_intrin_lowering(op_name, target="rocm", f=rule, level=100)
+        tvm.tirx.op.register_intrin_lowering(op_name, target="rocm", f=rule, level=100)
     _INSTALLED["done"] = True
 
 
 # --------------------------------------------------------------- math rules
+def _dt(expr) -> str:
+    """The dtype of a PrimExpr as a string ("float16", "float32x4", ...)."""
+    return str(expr.ty)
+
+
 def _compute_dtype(dtype) -> str:
     """fp16/bf16 math is done in fp32."""
     return "float32" if str(dtype).startswith(("float16", "bfloat16")) else str(dtype)
@@ -146,9 +151,9 @@ def lower_pow(call):
     non-integral y, 1 when y == 0."""
     from tvm import tirx
 
-    dtype = call.dtype
+    dtype = _dt(call)
     cdt = _compute_dtype(dtype)
-    x, y = (tirx.Cast(cdt, a) if str(a.dtype) != cdt else a for a in call.args)
+    x, y = (tirx.Cast(cdt, a) if str(_dt(a)) != cdt else a for a in call.args)
     mag = tirx.exp2(y * tirx.log2(tirx.abs(x)))
     integral = tirx.floor(y) == y
     odd = integral & (tirx.floor(y * 0.5) != y * 0.5)
@@ -163,7 +168,7 @@ def lower_rsqrt(call):
     from tvm import tirx
 
     (x,) = call.args
-    dtype = str(call.dtype)
+    dtype = str(_dt(call))
     if _scalar(dtype) and dtype in ("float32", "float16"):
         return tirx.call_llvm_pure_intrin(dtype, "llvm.amdgcn.rsq", x)
     return tirx.const(1, dtype) / tirx.sqrt(x)
@@ -174,13 +179,47 @@ def lower_exp10(call):
     from tvm import tirx
 
     (x,) = call.args
-    cdt = _compute_dtype(call.dtype)
-    xc = tirx.Cast(cdt, x) if str(x.dtype) != cdt else x
+    cdt = _compute_dtype(_dt(call))
+    xc = tirx.Cast(cdt, x) if str(_dt(x)) != cdt else x
     res = tirx.exp2(xc * tirx.const(math.log2(10.0), cdt))
-    return tirx.Cast(call.dtype, res) if cdt != str(call.dtype) else res
+    return tirx.Cast(_dt(call), res) if cdt != str(_dt(call)) else res
 
 
-MATH_RULES = {"tirx.pow": lower_pow, "tirx.rsqrt": lower_rsqrt, "tirx.exp10": lower_exp10}
+def _lower_shuffle(kind: str):
+    """Warp shuffles as ds_bpermute, as TVM's rocm rule does, but with the lane arithmetic in
+    int32: kernels indexed in int64 (symbolic shapes) made TVM's rule call
+    llvm.amdgcn.ds.bpermute with an i64 address, which fails LLVM verification."""
+
+    def rule(call):
+        from tvm import tirx
+
+        i32 = "int32"
+        _mask, var, lane_arg, width, _warp = call.args
+        as32 = lambda e: e if str(_dt(e)) == i32 else tirx.Cast(i32, e)  # noqa: E731
+        width = as32(width)
+        lo = tirx.call_pure_extern(i32, "llvm.amdgcn.mbcnt.lo", tirx.const(-1, i32), tirx.const(0, i32))
+        me = tirx.call_pure_extern(i32, "llvm.amdgcn.mbcnt.hi", tirx.const(-1, i32), lo)
+        group = me & ~(width - 1)
+        if kind == "shuffle":
+            index = as32(lane_arg) + group
+        elif kind == "up":
+            index = me - as32(lane_arg)
+            index = tirx.Select(index < group, me, index)
+        else:
+            index = me + as32(lane_arg)
+            index = tirx.Select((me & (width - 1)) + as32(lane_arg) >= width, me, index)
+        is_i32 = str(_dt(var)) == i32
+        source = var if is_i32 else tirx.call_intrin(i32, "tirx.reinterpret", var)
+        res = tirx.call_pure_extern(i32, "llvm.amdgcn.ds.bpermute", index << 2, source)
+        return res if is_i32 else tirx.call_intrin(_dt(var), "tirx.reinterpret", res)
+
+    return rule
+
+
+MATH_RULES = {"tirx.pow": lower_pow, "tirx.rsqrt": lower_rsqrt, "tirx.exp10": lower_exp10,
+              "tirx.tvm_warp_shuffle": _lower_shuffle("shuffle"),
+              "tirx.tvm_warp_shuffle_up": _lower_shuffle("up"),
+              "tirx.tvm_warp_shuffle_down": _lower_shuffle("down")}
 
 # the ops kernels of an LLM use; the tests check each lowers, links and is numerically right
 MATH_OPS = ("exp", "exp2", "exp10", "log", "log2", "log10", "sqrt", "rsqrt", "tanh", "erf",

@@ -1,0 +1,122 @@
+"""Decode GEMV: y (m, N) = x (m, K) @ W (N, K)^T for a handful of rows (decode's batch).
+
+Claims: a fused kernel whose single reduction is an NT matmul (fp16/bf16/fp32 inputs,
+batch s = 1, static N and K) with few rows: M static <= `max_rows`, or symbolic with a
+declared bound (`tir_var_upper_bound`, see analysis.AnnotateSymbolicBounds) <= `max_rows`.
+Decode is bandwidth-bound on W: each weight element is read once, by one thread, with
+16-byte vector loads, and used for every row.
+
+Schedule (per thread block: `rows_per_block` output columns n, one per thread row):
+  - accumulate in fp32; pad M to `m_tile` rows (symbolic m: zero rows, predicated stores),
+    K to a multiple of lanes x vec;
+  - threadIdx.x (a warp / wavefront) splits K in vec-element chunks, each thread keeps
+    m_tile partial sums in registers (rfactor), a cross-lane reduction finishes the dot
+    products; the epilogue runs on the reduced values.
+"""
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.base import ScheduleRule
+from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers, auto_inline_producers, get_index_map
+
+from .analysis import find_matmul, symbolic_bound, widen_accumulator
+
+
+class DecodeGEMV(ScheduleRule):
+    def __init__(self, warp_size: int = 32, rows_per_block: int = 4, vec: int = 8,
+                 max_rows: int = 16):
+        self.warp_size = warp_size
+        self.rows_per_block = rows_per_block
+        self.vec = vec
+        self.max_rows = max_rows
+
+    def _analyze(self, func, target):
+        if not isinstance(func, tirx.PrimFunc) or "gpu" not in target.keys:
+            return None
+        if int(target.attrs.get("thread_warp_size", 32)) != self.warp_size:
+            return None
+        sch = s_tir.Schedule(func)
+        mm = find_matmul(sch)
+        if mm is None or mm.a_dtype != mm.b_dtype:
+            return None
+        if mm.a_dtype not in ("float16", "bfloat16", "float32"):
+            return None
+        stmt = sch.get(mm.block)
+        doms = [iv.dom.extent for iv in stmt.iter_vars]
+        s_ext, m_ext, n_ext, k_ext = get_index_map(stmt)[0].map_shape(doms)
+        if not all(isinstance(e, tirx.IntImm) for e in (s_ext, n_ext, k_ext)) or int(s_ext) != 1:
+            return None
+        rows = symbolic_bound(func, m_ext)
+        if rows is None or rows > self.max_rows:
+            return None
+        return mm, rows
+
+    def apply(self, func, target, _tunable):
+        found = self._analyze(func, target)
+        if found is None:
+            return None
+        mm, rows = found
+        func, _ = widen_accumulator(func, mm.name)
+        sch = s_tir.Schedule(func)
+        main = sch.get_sblock(mm.name)
+        lanes, vec, ts = self.warp_size, self.vec, self.rows_per_block
+
+        # normalise to C[S, I, J] += A[S, I, K] * B[S, J, K]
+        reindex_a = sch.reindex(main, ("read", 0))
+        reindex_b = sch.reindex(main, ("read", 1))
+        reindex_c = sch.reindex(main, ("write", 0))
+        matmul_map, a_map, b_map, c_map = get_index_map(sch.get(main))
+        sch.transform_layout(reindex_a, ("write", 0), a_map)
+        sch.transform_layout(reindex_b, ("write", 0), b_map)
+        sch.transform_layout(reindex_c, ("read", 0), c_map)
+        sch.transform_block_layout(main, matmul_map)
+        sch.pad_einsum(main, [1, rows, ts, lanes * vec])
+        operands = [r.source for r in sch.get(main).reads[:2]]   # x (padded), W (maybe padded)
+
+        batch, i, j, k = sch.get_loops(main)
+        io, ii = sch.split(i, factors=[None, rows])
+        j0, j1 = sch.split(j, factors=[None, ts])
+        k0, k1, k2 = sch.split(k, factors=[None, lanes, vec])
+        sch.reorder(batch, io, j0, j1, k1, k0, k2, ii)
+        partial = sch.rfactor(k1, factor_axis=0)          # per-lane partial sums
+        batch, io, j0, j1, k1, k0, k2, ii = sch.get_loops(partial)
+        sch.bind(io, "blockIdx.y")
+        sch.bind(j0, "blockIdx.x")
+        sch.bind(j1, "threadIdx.y")
+        sch.bind(k1, "threadIdx.x")
+        sch.set_scope(partial, 0, "local")
+
+        # W: one 16-byte vector per thread per step, reused for all rows; the m_tile rows of x
+        # the same way (the padded copy: zeros past the last row)
+        for buf in operands:
+            producer = _producer_of(sch, partial, buf)
+            if producer is None:
+                index = [r.source.same_as(buf) for r in sch.get(partial).reads].index(True)
+                producer = sch.cache_read(partial, index, "local")
+            else:
+                auto_inline_producers(sch, producer)
+                sch.set_scope(producer, 0, "local")
+            sch.compute_at(producer, k0)
+            sch.vectorize(sch.get_loops(producer)[-1])
+        sch.unroll(k2)
+        sch.decompose_reduction(partial, k0)
+
+        # cross-lane sum (every lane ends with all m_tile sums), then the epilogue per row
+        auto_inline_consumers(sch, main)   # the copies out of the padded result fold away
+        epilogue = sch.get_consumers(main)
+        sch.reverse_compute_at(main, j1)
+        *_, lane, row = sch.get_loops(main)
+        sch.reorder(row, lane)                 # the reduced loop must be innermost
+        sch.bind(lane, "threadIdx.x")
+        sch.set_scope(main, 0, "local")
+        for block in epilogue:
+            sch.reverse_compute_at(block, j1)
+        return sch
+
+
+def _producer_of(sch, block, buf):
+    """The block writing `buf` that `block` reads from, if `buf` is an intermediate."""
+    for producer in sch.get_producers(block):
+        if any(w.source.same_as(buf) for w in sch.get(producer).writes):
+            return producer
+    return None

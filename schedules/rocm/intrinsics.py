@@ -1,0 +1,174 @@
+"""MFMA intrinsics (CDNA2 gfx90a, CDNA3 gfx942) for our NT GEMM rule, registered on import.
+
+TVM's `tensor_intrin.rocm` describes B as (K, N) and reads A one element at a time; ours take
+both operands as (rows, K) tiles, x (i, k) and W (n, k), and load each lane's K run with one
+vector read. Layouts (lane in 0..63, local register index):
+
+- 16x16x16 f16/bf16 operands: row r, k -> lane r + 16 (k // 4), local k % 4
+- 16x16x32 i8 operands (gfx940+): row r, k -> lane r + 16 (k // 8), local k % 8
+- 16x16 accumulator (f32 or i32): i, j -> lane j + 16 (i // 4), local i % 4
+
+`v_mfma_i32_16x16x32_i8` exists from gfx940 on (TVM's 16x16x16 i8 form is gone there and
+LLVM aborts selecting it).
+"""
+from __future__ import annotations
+
+from tvm.s_tir import TensorIntrin
+from tvm.script import tirx as T
+from tvm.tirx import Cast, IntImm
+
+WAVE = 64
+
+LOAD_F16 = "tvm_llm.rocm.mfma_load_16x16_f16"
+LOAD_BF16 = "tvm_llm.rocm.mfma_load_16x16_bf16"
+MFMA_F16_NT = "tvm_llm.rocm.mfma_f32_16x16x16_f16_nt"
+MFMA_BF16_NT = "tvm_llm.rocm.mfma_f32_16x16x16_bf16_nt"
+FILL_F32 = "tvm_llm.rocm.mfma_fill_16x16_f32"
+LOAD_I8_K32 = "tvm_llm.rocm.mfma_load_16x32_i8"
+MFMA_I8_K32_NT = "tvm_llm.rocm.mfma_i32_16x16x32_i8_nt"
+FILL_I32 = "tvm_llm.rocm.mfma_fill_16x16_i32"
+
+
+def operand_layout(r, k):
+    """16x16 f16/bf16 operand tile (row, k) -> (lane, local)."""
+    return r + 16 * (k // 4), k % 4
+
+
+def operand_layout_k32(r, k):
+    """16x32 int8 operand tile (row, k) -> (lane, local)."""
+    return r + 16 * (k // 8), k % 8
+
+
+def accumulator_layout(i, j):
+    """16x16 accumulator (i, j) -> (lane, local)."""
+    return j + 16 * (i // 4), i % 4
+
+
+def _load(dtype: str, k_dim: int, layout):
+    per_lane = 16 * k_dim // WAVE
+
+    @T.prim_func(s_tir=True)
+    def desc(reg_handle: T.handle, mem_handle: T.handle) -> None:
+        mem = T.match_buffer(mem_handle, (16, k_dim), dtype, offset_factor=1, scope="shared")
+        reg = T.match_buffer(reg_handle, (WAVE, per_lane), dtype, offset_factor=1, scope="warp")
+        with T.sblock("root"):
+            T.reads(mem[0:16, 0:k_dim])
+            T.writes(reg[0:WAVE, 0:per_lane])
+            for ax0, ax1 in T.grid(16, k_dim):
+                with T.sblock("shared_warp"):
+                    v0, v1 = T.axis.remap("SS", [ax0, ax1])
+                    T.reads(mem[v0, v1])
+                    lane, local = T.meta_var(layout(v0, v1))
+                    T.writes(reg[lane, local])
+                    reg[lane, local] = mem[v0, v1]
+
+    @T.prim_func(s_tir=True)
+    def impl(reg_handle: T.handle, mem_handle: T.handle) -> None:
+        s0 = T.int32()
+        s1 = T.int32()
+        mem = T.match_buffer(mem_handle, (16, k_dim), dtype, align=64, offset_factor=1,
+                             scope="shared", strides=[s0, s1])
+        reg = T.match_buffer(reg_handle, (WAVE, per_lane), dtype, align=64, offset_factor=1,
+                             scope="warp")
+        with T.sblock("root"):
+            T.reads(mem[0:16, 0:k_dim])
+            T.writes(reg[0:WAVE, 0:per_lane])
+            tx = T.env_thread("threadIdx.x")
+            T.launch_thread(tx, WAVE)
+            # each lane reads its contiguous run of K (LLVM merges these into one ds_read)
+            for local in T.unroll(per_lane):
+                reg[tx, local] = mem[tx % 16, (tx // 16) * per_lane + local]
+
+    return desc, impl
+
+
+def _mfma(in_dtype: str, acc_dtype: str, k_dim: int, layout, llvm_name: str, arg_dtype):
+    per_lane = 16 * k_dim // WAVE
+
+    @T.prim_func(s_tir=True)
+    def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
+        A = T.match_buffer(a, (WAVE, per_lane), in_dtype, offset_factor=1, scope="warp")
+        B = T.match_buffer(b, (WAVE, per_lane), in_dtype, offset_factor=1, scope="warp")
+        C = T.match_buffer(c, (WAVE, 4), acc_dtype, offset_factor=1, scope="warp")
+        with T.sblock("root"):
+            T.reads(C[0:WAVE, 0:4], A[0:WAVE, 0:per_lane], B[0:WAVE, 0:per_lane])
+            T.writes(C[0:WAVE, 0:4])
+            for i, j, k in T.grid(16, 16, k_dim):
+                with T.sblock("C"):
+                    vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                    tc, lc = T.meta_var(accumulator_layout(vi, vj))
+                    ta, la = T.meta_var(layout(vi, vk))
+                    tb, lb = T.meta_var(layout(vj, vk))
+                    T.reads(C[tc, lc], A[ta, la], B[tb, lb])
+                    T.writes(C[tc, lc])
+                    C[tc, lc] += Cast(acc_dtype, A[ta, la]) * Cast(acc_dtype, B[tb, lb])
+
+    def operand(buf, tx):
+        vec = buf[tx, T.ramp(0, 1, per_lane)]
+        return vec if arg_dtype is None else T.call_intrin(arg_dtype, "tirx.reinterpret", vec)
+
+    @T.prim_func(s_tir=True)
+    def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
+        A = T.match_buffer(a, (WAVE, per_lane), in_dtype, offset_factor=1, scope="warp")
+        B = T.match_buffer(b, (WAVE, per_lane), in_dtype, offset_factor=1, scope="warp")
+        C = T.match_buffer(c, (WAVE, 4), acc_dtype, offset_factor=1, scope="warp")
+        with T.sblock("root"):
+            T.reads(A[0:WAVE, 0:per_lane], B[0:WAVE, 0:per_lane], C[0:WAVE, 0:4])
+            T.writes(C[0:WAVE, 0:4])
+            tx = T.env_thread("threadIdx.x")
+            T.launch_thread(tx, WAVE)
+            C[tx, T.ramp(0, 1, 4)] = T.call_llvm_pure_intrin(
+                T.llvm_lookup_intrinsic_id(llvm_name), operand(A, tx), operand(B, tx),
+                C[tx, T.ramp(0, 1, 4)],
+                T.int32(0), T.int32(0), T.int32(0), dtype=f"{acc_dtype}x4")
+
+    return desc, impl
+
+
+def _fill(dtype: str):
+    zero = IntImm("int32", 0).astype(dtype)
+
+    @T.prim_func(s_tir=True)
+    def desc(a: T.handle) -> None:
+        C = T.match_buffer(a, (WAVE, 4), dtype, scope="warp")
+        with T.sblock("root"):
+            T.reads()
+            T.writes(C[0:WAVE, 0:4])
+            for i0, i1 in T.grid(16, 16):
+                with T.sblock("C_warp"):
+                    i, j = T.axis.remap("SS", [i0, i1])
+                    lane, local = T.meta_var(accumulator_layout(i, j))
+                    T.reads()
+                    T.writes(C[lane, local])
+                    C[lane, local] = zero
+
+    @T.prim_func(s_tir=True)
+    def impl(a: T.handle) -> None:
+        C = T.match_buffer(a, (WAVE, 4), dtype, scope="warp", offset_factor=1)
+        with T.sblock("root"):
+            T.reads()
+            T.writes(C[0:WAVE, 0:4])
+            tx = T.env_thread("threadIdx.x")
+            T.launch_thread(tx, WAVE)
+            for local in range(4):
+                C[tx, local] = zero
+
+    return desc, impl
+
+
+def _register(name, desc_impl):
+    if TensorIntrin.get(name, allow_missing=True) is None:
+        TensorIntrin.register(name, *desc_impl)
+
+
+_register(LOAD_F16, _load("float16", 16, operand_layout))
+_register(LOAD_BF16, _load("bfloat16", 16, operand_layout))
+_register(MFMA_F16_NT, _mfma("float16", "float32", 16, operand_layout,
+                             "llvm.amdgcn.mfma.f32.16x16x16f16", None))
+_register(MFMA_BF16_NT, _mfma("bfloat16", "float32", 16, operand_layout,
+                              "llvm.amdgcn.mfma.f32.16x16x16bf16.1k", "int16x4"))
+_register(FILL_F32, _fill("float32"))
+_register(LOAD_I8_K32, _load("int8", 32, operand_layout_k32))
+_register(MFMA_I8_K32_NT, _mfma("int8", "int32", 32, operand_layout_k32,
+                                "llvm.amdgcn.mfma.i32.16x16x32.i8", "int64"))
+_register(FILL_I32, _fill("int32"))

@@ -1,0 +1,182 @@
+"""CUDA rules: tensor-core GEMM (ldmatrix + mma.sync) for prefill, GEMV for decode.
+
+No GPU here: the rules' claims and generated PTX are checked, and each rule's loop structure
+is run on the CPU with thread bindings serialised and the tensor intrinsics left as their
+plain descriptions (schedules.cuda.verify), against numpy.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import tvm
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+K, N = 80, 320   # neither a multiple of the 32-wide K tile nor of the 128-wide N tile
+
+
+@I.ir_module
+class Model:
+    @R.function
+    def prefill(x: R.Tensor((1, "n", 80), "float16"), w: R.Tensor((320, 80), "float16"),
+                r: R.Tensor((1, "n", 320), "float16")):
+        R.func_attr({"tir_var_upper_bound": {"n": 512}})
+        with R.dataflow():
+            y = R.matmul(x, R.permute_dims(w))
+            z = R.add(R.nn.silu(y), r)
+            R.output(z)
+        return z
+
+    @R.function
+    def decode(x: R.Tensor(("b", 1, 80), "float16"), w: R.Tensor((320, 80), "float16"),
+               r: R.Tensor(("b", 1, 320), "float16")):
+        R.func_attr({"tir_var_upper_bound": {"b": 8}})
+        with R.dataflow():
+            y = R.matmul(x, R.permute_dims(w))
+            z = R.add(y, r)
+            R.output(z)
+        return z
+
+
+def _silu(v):
+    return v / (1 + np.exp(-v))
+
+
+@pytest.fixture(scope="module")
+def spec():
+    from tvm_llm.targets import get_target
+
+    return get_target("cuda", arch="sm_80")
+
+
+@pytest.fixture(scope="module")
+def kernels(spec):
+    """{"prefill"|"decode": the fused matmul PrimFunc}, bounds annotated as the build does."""
+    from schedules.cuda.analysis import AnnotateSymbolicBounds
+    from schedules.cuda.verify import lower_for_scheduling
+
+    mod = AnnotateSymbolicBounds()(lower_for_scheduling(Model))
+    found = {}
+    for gv, func in mod.functions_items():
+        if isinstance(func, tvm.tirx.PrimFunc) and "matmul" in gv.name_hint:
+            kind = "decode" if "b" in str(func.attrs.get("tir_var_upper_bound", {})) else "prefill"
+            found[kind] = func
+    assert set(found) == {"prefill", "decode"}, list(mod.get_global_vars())
+    return found
+
+
+def test_rules_claim_prefill_gemm_and_decode_gemv(spec, kernels):
+    from schedules.cuda import cuda_rules
+
+    tensor_core, gemv = cuda_rules()
+    target = spec.tvm_target()
+    assert tensor_core.claims(kernels["prefill"], target)
+    assert not tensor_core.claims(kernels["decode"], target)   # b <= 8: decode
+    with target:
+        assert gemv.apply(kernels["decode"], target, False) is not None
+        assert gemv.apply(kernels["prefill"], target, False) is None  # n <= 512: not a GEMV
+
+
+def test_tensor_core_rule_needs_sm80(kernels):
+    from schedules.cuda import cuda_rules
+
+    old = tvm.target.Target({"kind": "cuda", "arch": "sm_75", "host": {"kind": "llvm"}})
+    assert not cuda_rules()[0].claims(kernels["prefill"], old)
+
+
+@pytest.mark.parametrize("n", [1, 77, 300])
+def test_tensor_core_schedule_numerics_on_cpu(spec, kernels, n):
+    from schedules.cuda import cuda_rules
+    from schedules.cuda.verify import run_on_cpu
+
+    rule = cuda_rules(tensorize=False)[0]
+    with spec.tvm_target():
+        sch = rule.apply(kernels["prefill"], spec.tvm_target(), False)
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((1, n, K)).astype("float16")
+    w = rng.standard_normal((N, K)).astype("float16")
+    r = rng.standard_normal((1, n, N)).astype("float16")
+    (out,) = run_on_cpu(sch.mod["main"], [x, w, r], [(1, n, N)], ["float16"])
+    y = (x.astype("float32") @ w.astype("float32").T).astype("float16")   # fp32 accumulation
+    ref = (_silu(y.astype("float32")).astype("float16") + r).astype("float32")
+    np.testing.assert_allclose(out.astype("float32"), ref, rtol=4e-3, atol=4e-3)
+
+
+@pytest.mark.parametrize("b", [1, 3, 8])
+def test_gemv_schedule_numerics_on_cpu(spec, kernels, b):
+    from schedules.cuda import cuda_rules
+    from schedules.cuda.verify import run_on_cpu
+
+    rule = cuda_rules()[1]
+    with spec.tvm_target():
+        sch = rule.apply(kernels["decode"], spec.tvm_target(), False)
+    rng = np.random.default_rng(b)
+    x = rng.standard_normal((b, 1, K)).astype("float16")
+    w = rng.standard_normal((N, K)).astype("float16")
+    r = rng.standard_normal((b, 1, N)).astype("float16")
+    (out,) = run_on_cpu(sch.mod["main"], [x, w, r], [(b, 1, N)], ["float16"])
+    ref = ((x.astype("float32") @ w.astype("float32").T).astype("float16") + r).astype("float32")
+    np.testing.assert_allclose(out.astype("float32"), ref, rtol=4e-3, atol=4e-3)
+
+
+def test_fragment_layout_matches_ptx_isa():
+    """mma.sync m16n8k16 .f16 A and .f32 C fragments (PTX ISA, "Matrix Fragments for
+    mma.m16n8k16"): thread t = 4 groupID + threadID_in_group holds a_i at row groupID
+    (+8 for i in 2,3,6,7), col 2 threadID_in_group + i % 2 (+8 for i >= 4); the 16x16
+    accumulator is two n8 halves (locals 0-3 and 4-7) of c_i at row groupID (+8 for i >= 2)."""
+    from schedules.cuda.intrinsics import ldmatrix_layout
+
+    seen = set()
+    for t in range(32):
+        g, tig = t // 4, t % 4
+        for i in range(8):
+            a_row = g + 8 * ((i // 2) % 2)
+            a_col = 2 * tig + i % 2 + 8 * (i // 4)
+            assert ldmatrix_layout(a_row, a_col) == (t, i)
+            half, c = i // 4, i % 4
+            c_row, c_col = g + 8 * (c // 2), 8 * half + 2 * tig + c % 2
+            assert ldmatrix_layout(c_row, c_col) == (t, i)
+            seen.add((a_row, a_col))
+    assert len(seen) == 256
+
+
+@pytest.fixture(scope="module")
+def compiled(spec, tmp_path_factory):
+    """The model built as the build does for sm_80, exported with PTX."""
+    from schedules.cuda.verify import lower_for_scheduling
+
+    target = spec.tvm_target()
+    with target, tvm.transform.PassContext(opt_level=3, config=spec.pass_context_config()):
+        mod = tvm.transform.Sequential(spec.schedule_passes())(lower_for_scheduling(Model))
+        ex = tvm.compile(mod, target=target, tir_pipeline=spec.tir_pipeline())
+    out = tmp_path_factory.mktemp("cuda_model")
+    spec.export_library(ex, str(out / "model.so"))
+    return ex, str(out / "model.so")
+
+
+def test_every_kernel_is_bound_to_threads(compiled):
+    from tvm_llm.targets.cuda import _device_modules
+
+    ex, _ = compiled
+    cuda = [m for m in _device_modules(ex.mod) if m.kind == "cuda"]
+    src = cuda[0].inspect_source("cuda")
+    assert src.count("__global__") >= 2
+    assert "threadIdx.x" in src
+
+
+def test_exported_ptx_uses_mma_sync_and_ldmatrix(spec, compiled):
+    from tvm_llm.targets.cuda import count_instructions, parse_library_blob, read_library_blob, \
+        split_cuda_module
+
+    _, path = compiled
+    (data,) = [d for kind, d in parse_library_blob(read_library_blob(path)) if kind == "cuda"]
+    fmt, _, code = split_cuda_module(data)
+    assert fmt == "ptx"
+    ptx = code.decode().rstrip("\0")
+    assert re.search(r"^\.target sm_80", ptx, re.M)
+    counts = count_instructions(ptx)
+    # 2x2 warps x (4x4 fragments x 2 mma.sync) per 16-wide K step, 2 steps per K tile
+    assert counts["mma.sync"] >= 64 and counts["mma.sync"] % 32 == 0, counts
+    assert counts["ldmatrix"] >= 16 and counts["ldmatrix"] % 8 == 0, counts

@@ -181,16 +181,17 @@ def parse_library_blob(blob: bytes) -> list[tuple[str, bytes | None]]:
 
 
 def split_cuda_module(data: bytes) -> tuple[str, bytes, bytes]:
-    """A CUDA module's bytes -> (fmt, serialized function map, code)."""
+    """A device module's bytes ([fmt][function map][code], CUDA and ROCm alike) ->
+    (fmt, serialized function map, code). The function map is kept opaque: the code is the
+    last field, the first length prefix that spans exactly to the end (the map holds only
+    small counts and short names, never such a length)."""
     size, offset = _read_u64(data, 0)
     fmt = data[offset:offset + size].decode()
     offset += size
-    # the code is the last field: find the length prefix that ends exactly at the end
-    for start in range(len(data) - 8, offset - 1, -1):
+    for start in range(offset, len(data) - 7):
         if struct.unpack_from("<Q", data, start)[0] == len(data) - start - 8:
-            if start >= offset:
-                return fmt, data[offset:start], data[start + 8:]
-    raise ValueError("malformed CUDA module bytes")
+            return fmt, data[offset:start], data[start + 8:]
+    raise ValueError("malformed device module bytes")
 
 
 def rewrite_cuda_modules(blob: bytes, compile_fn) -> bytes:

@@ -37,6 +37,7 @@ class ImportedModel:
     params: list  # numpy arrays, same order
     attention: AttentionShape
     vocab_size: int
+    relax_names: dict = field(default_factory=dict)  # Relax param name -> checkpoint name
 
 
 def _attention_converter(layers: dict, cache_var):
@@ -91,10 +92,11 @@ def to_relax(ep, vocab_size: int) -> ImportedModel:
     func = mod["main"]
     n_in = int(func.attrs["num_input"])
     sources = _weight_sources(ep)
-    names, weights = [], []
+    names, weights, relax_names = [], [], {}
     for var in func.params[n_in:]:
         name, tensor = sources[var.name]
         names.append(name)
+        relax_names[var.name] = name
         weights.append(tensor.detach().contiguous().numpy() if tensor.dtype != _bf16()
                        else tensor.detach().float().numpy().astype(_np_bf16()))
     if not layers:
@@ -116,7 +118,8 @@ def to_relax(ep, vocab_size: int) -> ImportedModel:
     attrs["num_input"] = n_in + 1
     forward = rx.Function(params[:n_in] + [cache_var] + params[n_in:], func.body, func.ret_ty,
                           func.is_pure, tvm.ir.DictAttrs(attrs))
-    return ImportedModel(tvm.IRModule({"forward": forward}), names, weights, attn, vocab_size)
+    return ImportedModel(tvm.IRModule({"forward": forward}), names, weights, attn, vocab_size,
+                         relax_names)
 
 
 def _bf16():

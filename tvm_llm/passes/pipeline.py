@@ -18,12 +18,21 @@ def phase_passes(target_spec, disabled: frozenset = frozenset()) -> list[tuple[s
     where skipping them keeps the module compilable (used by the ablation benchmark)."""
     from tvm import relax
 
+    from .fold_identity_take import FoldIdentityTake
+    from .fold_weights import LiftWeightTransforms
+    from .fuse_rms_norm import FuseRMSNorm
+    from .merge_parallel_linear import MergeParallelLinear
+    from .unflatten_linear import UnflattenLinear
+
+    entry = ["prefill", "decode", "create_paged_kv_cache"]
     phases = {
-        "import_cleanup": [relax.transform.CanonicalizeBindings(),
-                           relax.transform.DeadCodeElimination(["prefill", "decode",
-                                                                "create_paged_kv_cache"])],
-        "fusion": [relax.transform.FuseTransposeMatmul()],
-        "folding": [relax.transform.FoldConstant()],
+        "import_cleanup": [relax.transform.CanonicalizeBindings(), FoldIdentityTake(),
+                           relax.transform.EliminateCommonSubexpr(),
+                           relax.transform.DeadCodeElimination(entry)],
+        "fusion": [UnflattenLinear(), MergeParallelLinear(), FuseRMSNorm(),
+                   relax.transform.FuseTransposeMatmul()],
+        "folding": [relax.transform.FoldConstant(), LiftWeightTransforms(),
+                    relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(entry + ["transform_params"])],
         "lowering": [relax.backend.DispatchSampling(), relax.backend.DispatchSortScan(),
                      relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
                      relax.transform.FoldConstant(), relax.transform.FuseOps(),
@@ -68,18 +77,56 @@ def count_ops(mod) -> dict:
     return counts
 
 
+def kernels_per_call(mod, func_name: str) -> int:
+    """Kernel launches one call of `func_name` makes in a finalized module: calls of PrimFuncs
+    of the module plus the paged-attention packed calls (shape and memory builtins excluded)."""
+    import tvm
+    from tvm import relax
+
+    if func_name not in [gv.name_hint for gv in mod.get_global_vars()]:
+        return 0
+    prim = {gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    count = [0]
+
+    def visit(expr):
+        if not isinstance(expr, relax.Call):
+            return
+        op = expr.op
+        if isinstance(op, tvm.ir.GlobalVar) and op.name_hint in prim:
+            if not op.name_hint.startswith(("shape_func", "compute_symbolic_expr")):  # host scalars
+                count[0] += 1
+        elif isinstance(op, relax.ExternFunc) and "attention" in str(op.global_symbol):
+            count[0] += 1
+        elif getattr(op, "name", "") in ("relax.call_tir", "relax.call_dps_packed"):
+            callee = expr.args[0]
+            name = getattr(callee, "name_hint", None) or str(getattr(callee, "global_symbol", ""))
+            if not name.startswith("reshape"):  # lowered to a free view by RewriteDataflowReshape
+                count[0] += 1
+
+    relax.analysis.post_order_visit(mod[func_name], visit)
+    return count[0]
+
+
 def run_pipeline(mod, target_spec, dump_dir: str | None = None,
                  disabled: frozenset = frozenset()):
-    """Apply every phase; return (module, report) where report lists per-phase time and ops."""
+    """Apply every phase; return (module, weight transform module or None, report).
+
+    After the folding phase the lifted weight transform is taken out of the module: the build
+    runs it once on the host (fold_weights.apply_weight_transform)."""
     import tvm
 
+    from .fold_weights import split_weight_transform
+
     report = []
+    weight_transform = None
     target = target_spec.tvm_target()
     with target, tvm.transform.PassContext(opt_level=3, config=target_spec.pass_context_config()):
         for i, (name, passes) in enumerate(phase_passes(target_spec, disabled)):
             t0 = time.perf_counter()
             if passes:
                 mod = tvm.transform.Sequential(passes, name=name)(mod)
+            if name == "folding":
+                mod, weight_transform = split_weight_transform(mod)
             seconds = time.perf_counter() - t0
             ops = count_ops(mod)
             report.append({"phase": name, "seconds": round(seconds, 3),
@@ -88,4 +135,8 @@ def run_pipeline(mod, target_spec, dump_dir: str | None = None,
                 os.makedirs(dump_dir, exist_ok=True)
                 with open(os.path.join(dump_dir, f"{i}_{name}.py"), "w") as f:
                     f.write(mod.script(show_meta=False))
-    return mod, report
+    report.append({"phase": "total", "seconds": round(sum(r["seconds"] for r in report), 3),
+                   "relax_calls": report[-1]["relax_calls"], "skipped": False,
+                   "decode_kernels": kernels_per_call(mod, "decode"),
+                   "prefill_kernels": kernels_per_call(mod, "prefill")})
+    return mod, weight_transform, report

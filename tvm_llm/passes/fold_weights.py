@@ -1,0 +1,59 @@
+"""Weight folding: every computation on weights alone runs once, at build time.
+
+`LiftTransformParams` moves weight-only work (concatenations made by MergeParallelLinear,
+Gemma's 1 + w, casts, layout packing from schedules) out of prefill and decode into one
+`transform_params` function. `split_weight_transform` takes that function out of the module;
+`apply_weight_transform` compiles it for the build host and runs it on the checkpoint's
+weights. The compiled model then receives the transformed weights as parameters and performs
+no weight transform on any call.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+MODEL_FUNCTIONS = ("prefill", "decode")
+TRANSFORM = "transform_params"
+
+
+def LiftWeightTransforms() -> tvm.transform.Pass:
+    """One shared transform_params for prefill and decode (they take the same weights)."""
+    return relax.transform.LiftTransformParams(shared_transform=list(MODEL_FUNCTIONS))
+
+
+def split_weight_transform(mod: tvm.IRModule):
+    """(module without transform_params, module holding only transform_params, or None).
+
+    When the lifted function only returns its input unchanged, there is nothing to run."""
+    if TRANSFORM not in [gv.name_hint for gv in mod.get_global_vars()]:
+        return mod, None
+    func = mod[TRANSFORM]
+    rest = tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv.name_hint != TRANSFORM},
+                        attrs=mod.attrs)
+    if isinstance(func.body, relax.SeqExpr) and func.body.body.same_as(func.params[0]):
+        return rest, None
+    return rest, tvm.IRModule({TRANSFORM: func})
+
+
+def weight_param_names(mod: tvm.IRModule, checkpoint_names: dict) -> list:
+    """Names of the (transformed) weight parameters of the model functions, in order: the
+    checkpoint name for a weight passed through unchanged, `folded.<var>` for a computed one."""
+    func = mod[MODEL_FUNCTIONS[0]]
+    return [checkpoint_names.get(p.name, f"folded.{p.name}")
+            for p in func.params[int(func.attrs["num_input"]):]]
+
+
+def apply_weight_transform(transform_mod, weights: list) -> list:
+    """Run transform_params on numpy `weights` on the build host; return numpy arrays."""
+    if transform_mod is None:
+        return weights
+    import numpy as np
+
+    target = tvm.target.Target({"kind": "llvm"})
+    with target:
+        ex = tvm.compile(transform_mod, target=target)
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    dev = tvm.cpu()
+    args = [tvm.runtime.tensor(np.ascontiguousarray(w), dev) for w in weights]
+    out = vm[TRANSFORM](args)
+    return [t.numpy() for t in out]

@@ -1,0 +1,49 @@
+"""UnflattenLinear: reshape(x, 2-D) -> matmul(., W^T) -> reshape(back) becomes one N-D matmul.
+
+The torch importer flattens every linear's input to 2-D and reshapes the result back. The two
+reshapes sit between a matmul and its neighbours and stop FuseOps from fusing epilogues (bias,
+activation, residual add) into the matmul kernel. A matmul broadcasts over leading axes, so the
+flattening is unnecessary: drop it when the outer reshape restores the input's leading shape.
+"""
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import relax
+from tvm.relax.dpl import is_op, rewrite_call, wildcard
+
+
+def _leading_dims_equal(a, b) -> bool:
+    return len(a) == len(b) and all(tvm_ffi.structural_equal(x, y) for x, y in zip(a[:-1], b[:-1]))
+
+
+def rewrite_function(func: relax.Function) -> tuple[relax.Function, int]:
+    x, w = wildcard(), wildcard()
+    flat = is_op("relax.reshape")(x, wildcard())
+    wt = is_op("relax.permute_dims")(w)
+    mm = is_op("relax.matmul")(flat, wt)
+    pattern = is_op("relax.reshape")(mm, wildcard())
+    count = [0]
+
+    def rewriter(expr, matches):
+        src = matches[x]
+        in_shape, out_shape = list(src.ty.shape), list(expr.ty.shape)
+        if len(in_shape) < 3 or not _leading_dims_equal(in_shape, out_shape):
+            return expr
+        count[0] += 1
+        return relax.op.matmul(src, matches[wt])
+
+    return rewrite_call(pattern, rewriter, func), count[0]
+
+
+def UnflattenLinear() -> tvm.transform.Pass:
+    """The module pass (a fresh Pass object each call, like TVM's own pass constructors)."""
+    return tvm.transform.module_pass(_transform_module, opt_level=0, name="UnflattenLinear")
+
+
+def _transform_module(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    mod = mod.clone()  # never mutate the caller's module
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, relax.Function):
+            mod[gv] = rewrite_function(func)[0]
+    return mod

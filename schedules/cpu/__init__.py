@@ -1,8 +1,35 @@
-"""CPU schedule rules (LLVM: x86 AVX2/AVX-512, aarch64 NEON)."""
+"""CPU schedule rules (LLVM: x86 AVX2/AVX-512, aarch64 NEON).
+
+Rules, tried in order (the first that claims a PrimFunc schedules it):
+
+* :class:`.gemm.GEMM`: weight matmuls over a packed weight panel (prefill GEMM and decode GEMV)
+  when the build lets the weight change layout (``layout_free_buffers``), and NN matmuls;
+* :class:`.gemv.GEMV`: NT weight matmuls over the row-major (N, K) weight;
+* :class:`.reduction.RowReduction`: RMSNorm / LayerNorm / softmax (row reductions + elementwise);
+* :class:`.elementwise.Elementwise`: injective kernels (RoPE, adds, casts, transposes, take);
+* then dlight's CPU ``GEMV`` and ``Reduction`` as fallbacks.
+"""
 
 
-def cpu_schedule_pass(target_spec):
-    """The TIR scheduling pass for a CPU target: our rules, then dlight's CPU fallbacks."""
+def cpu_rules(prepack="auto"):
     from tvm.s_tir import dlight as dl
 
-    return dl.ApplyDefaultSchedule(dl.cpu.GEMV(), dl.cpu.Reduction())
+    from .elementwise import Elementwise
+    from .gemm import GEMM
+    from .gemv import GEMV
+    from .reduction import RowReduction
+
+    return [GEMM(prepack=prepack), GEMV(), RowReduction(), Elementwise(),
+            dl.cpu.GEMV(), dl.cpu.Reduction()]
+
+
+def cpu_schedule_pass(target_spec=None, prepack="auto"):
+    """The TIR scheduling pass for a CPU target: our rules, then dlight's CPU fallbacks.
+
+    Run it inside ``with target:`` (the rules read the target from the context or the
+    PrimFunc's "target" attribute). target_spec is accepted for the build's interface; the
+    rules derive everything from the tvm Target.
+    """
+    from tvm.s_tir import dlight as dl
+
+    return dl.ApplyDefaultSchedule(*cpu_rules(prepack))

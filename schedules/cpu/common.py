@@ -1,0 +1,427 @@
+"""Shared pieces of the CPU rules: what the target's SIMD looks like, and the matmul matcher.
+
+Everything about the machine is derived from the tvm Target (never from the build host):
+the vector ISA from LLVM's feature query, the vector width from the ISA. `llvm_get_vector_width`
+is not used on x86: for a generic x86 triple it reports 512 bits even without AVX-512.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.target import Target
+
+TensorLoad = tvm.ir.expr.TensorLoad
+
+# TVM keeps a "global"-scope buffer of constant size on the stack when it is smaller than this
+# (runtime::kMaxStackAlloca); anything larger, and every "local"-scope buffer, becomes a
+# TVMBackendAllocWorkspace call. Register tiles must stay stack buffers: LLVM promotes a small
+# alloca to registers, but never a workspace pointer (its stores stay in the inner loop).
+MAX_STACK_BYTES = 1024
+
+
+# --------------------------------------------------------------------------------------------
+# Target description
+# --------------------------------------------------------------------------------------------
+def is_llvm_cpu(target: Target | None) -> bool:
+    return target is not None and target.kind.name == "llvm"
+
+
+def _has(feature: str, target: Target) -> bool:
+    try:
+        return bool(tvm.target.codegen.llvm_cpu_has_features(feature, target))
+    except Exception:  # pylint: disable=broad-except
+        return False
+
+
+def target_arch(target: Target) -> str:
+    triple = str(target.attrs.get("mtriple", "") or "")
+    if triple.startswith(("aarch64", "arm64")):
+        return "aarch64"
+    if triple.startswith(("arm", "thumb")):
+        return "arm"
+    if triple.startswith(("riscv",)):
+        return "riscv"
+    return "x86_64" if not triple or triple.startswith(("x86_64", "i686", "i386")) else triple
+
+
+def vector_isa(target: Target) -> str:
+    """avx512, avx2, sse, neon or generic."""
+    arch = target_arch(target)
+    if arch == "x86_64":
+        if _has("avx512f", target):
+            return "avx512"
+        if _has("avx2", target):
+            return "avx2"
+        return "sse"
+    if arch in ("aarch64", "arm"):
+        return "neon"
+    return "generic"
+
+
+def vector_bits(target: Target) -> int:
+    isa = vector_isa(target)
+    if isa == "avx512":
+        return 512
+    if isa == "avx2":
+        return 256
+    if isa in ("sse", "neon"):
+        return 128
+    try:
+        bits = int(tvm.target.codegen.llvm_get_vector_width(target))
+    except Exception:  # pylint: disable=broad-except
+        bits = -1
+    return bits if bits > 0 else 128
+
+
+def vector_lanes(target: Target, dtype: str = "float32") -> int:
+    bits = tvm.runtime.DataType(dtype).bits
+    return max(1, vector_bits(target) // bits)
+
+
+def num_vector_registers(target: Target) -> int:
+    isa = vector_isa(target)
+    return {"avx512": 32, "avx2": 16, "sse": 16, "neon": 32}.get(isa, 16)
+
+
+def num_cores(target: Target) -> int:
+    n = target.attrs.get("num-cores", None)
+    try:
+        n = int(n)
+    except (TypeError, ValueError):
+        n = 0
+    return n if n > 0 else 1
+
+
+# --------------------------------------------------------------------------------------------
+# Small schedule helpers
+# --------------------------------------------------------------------------------------------
+def const_int(expr) -> int | None:
+    if isinstance(expr, int):
+        return expr
+    if isinstance(expr, tirx.IntImm):
+        return int(expr.value)
+    return None
+
+
+def loop_extent(sch: s_tir.Schedule, loop) -> int | None:
+    return const_int(sch.get(loop).extent)
+
+
+def largest_divisor(n: int, candidates) -> int:
+    for c in candidates:
+        if c >= 1 and n % c == 0:
+            return c
+    return 1
+
+
+def pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two <= cap dividing n."""
+    v = 1
+    while v * 2 <= cap and n % (v * 2) == 0:
+        v *= 2
+    return v
+
+
+def vectorize_innermost(sch: s_tir.Schedule, block, lanes: int, unroll_rest: int = 0):
+    """Split the block's innermost loop by the vector width and vectorize it.
+
+    Static extents that the width does not divide use the largest power-of-two divisor, so the
+    vector loop never carries a predicate (a predicated vector loop is scalarized by TVM).
+    """
+    loops = sch.get_loops(block)
+    if not loops:
+        return
+    inner = loops[-1]
+    ext = loop_extent(sch, inner)
+    if ext is None:
+        _, vec = sch.split(inner, [None, lanes])
+        sch.vectorize(vec)
+        return
+    width = pow2_divisor(ext, lanes)
+    if width <= 1:
+        return
+    if width == ext:
+        sch.vectorize(inner)
+        return
+    outer, vec = sch.split(inner, [None, width])
+    sch.vectorize(vec)
+    if unroll_rest and ext // width <= unroll_rest:
+        sch.unroll(outer)
+
+
+def block_name(sch: s_tir.Schedule, block) -> str:
+    return sch.get(block).name_hint
+
+
+def is_reduction_block(sch: s_tir.Schedule, block) -> bool:
+    return any(iv.iter_type == tirx.IterVar.CommReduce for iv in sch.get(block).iter_vars)
+
+
+def is_spatial_block(sch: s_tir.Schedule, block) -> bool:
+    stmt = sch.get(block)
+    return stmt.init is None and all(iv.iter_type == tirx.IterVar.DataPar for iv in stmt.iter_vars)
+
+
+def root_blocks(sch: s_tir.Schedule):
+    return list(sch.get_child_blocks(sch.get_sblock("root")))
+
+
+def _buffer_loads(expr):
+    loads = []
+
+    def visit(e):
+        if isinstance(e, TensorLoad):
+            loads.append(e)
+            for i in e.indices:
+                visit(i)
+        elif isinstance(e, tirx.Cast):
+            visit(e.value)
+        elif hasattr(e, "a") and hasattr(e, "b"):
+            visit(e.a)
+            visit(e.b)
+        elif hasattr(e, "args"):
+            for a in e.args:
+                visit(a)
+        elif hasattr(e, "condition") and hasattr(e, "true_value"):
+            visit(e.condition)
+            visit(e.true_value)
+            visit(e.false_value)
+        elif hasattr(e, "value") and not isinstance(e, (tirx.IntImm,)) and hasattr(e.value, "dtype"):
+            visit(e.value)
+
+    visit(expr)
+    return loads
+
+
+def _strip_cast(e):
+    while isinstance(e, tirx.Cast):
+        e = e.value
+    return e
+
+
+# --------------------------------------------------------------------------------------------
+# Matmul matcher
+# --------------------------------------------------------------------------------------------
+@dataclass
+class MatmulPattern:
+    """A block computing C[m..., n] += A[m..., k] * B[n, k] (NT) or B[k, n] (NN).
+
+    B is a 2-D buffer of static shape (a weight); A and C share the leading "M" dims, which
+    may be symbolic (the token or batch dim). N and K are static.
+    """
+
+    block_name: str
+    a_index: int  # index of A in the block's reads
+    b_index: int  # index of B in the block's reads
+    b_buffer: object
+    b_transposed: bool  # True: B is (N, K) (x @ W^T); False: B is (K, N)
+    m_axes: list  # positions (in block iter order) of the M iters
+    n_axis: int
+    k_axis: int
+    m_extents: list  # PrimExpr extents of the M iters
+    N: int
+    K: int
+    dtype: str
+    epilogue: list = field(default_factory=list)  # remaining injective consumer block names
+
+    @property
+    def m_static(self) -> int | None:
+        total = 1
+        for e in self.m_extents:
+            c = const_int(e)
+            if c is None:
+                return None
+            total *= c
+        return total
+
+
+def match_matmul_block(sch: s_tir.Schedule, block) -> MatmulPattern | None:
+    stmt = sch.get(block)
+    ivs = list(stmt.iter_vars)
+    red = [i for i, iv in enumerate(ivs) if iv.iter_type == tirx.IterVar.CommReduce]
+    spa = [i for i, iv in enumerate(ivs) if iv.iter_type == tirx.IterVar.DataPar]
+    if len(red) != 1 or len(spa) + 1 != len(ivs) or len(spa) < 2 or stmt.init is None:
+        return None
+    if len(stmt.writes) != 1 or not isinstance(stmt.body, tirx.BufferStore):
+        return None
+    store = stmt.body
+    value = store.value
+    if not isinstance(value, tirx.Add):
+        return None
+    k_var = ivs[red[0]].var
+    spatial_vars = [ivs[i].var for i in spa]
+    # C indices: exactly the spatial iters, in order
+    if len(store.indices) != len(spa) or any(
+        not (isinstance(ix, tirx.Var) and ix.same_as(v)) for ix, v in zip(store.indices, spatial_vars)
+    ):
+        return None
+    acc, prod = _strip_cast(value.a), _strip_cast(value.b)
+    if not (isinstance(acc, TensorLoad) and acc.source.same_as(store.buffer)):
+        acc, prod = _strip_cast(value.b), _strip_cast(value.a)
+    if not (isinstance(acc, TensorLoad) and acc.source.same_as(store.buffer)):
+        return None
+    if not isinstance(prod, tirx.Mul):
+        return None
+    lhs, rhs = _strip_cast(prod.a), _strip_cast(prod.b)
+    if not (isinstance(lhs, TensorLoad) and isinstance(rhs, TensorLoad)):
+        return None
+    n_var = spatial_vars[-1]
+
+    def is_var(e, v):
+        return isinstance(e, tirx.Var) and e.same_as(v)
+
+    def as_b(load):
+        if len(load.indices) != 2 or len(load.source.shape) != 2:
+            return None
+        if any(const_int(s) is None for s in load.source.shape):
+            return None
+        i0, i1 = load.indices
+        if is_var(i0, n_var) and is_var(i1, k_var):
+            return True
+        if is_var(i0, k_var) and is_var(i1, n_var):
+            return False
+        return None
+
+    def as_a(load):
+        idx = list(load.indices)
+        if not idx or not is_var(idx[-1], k_var):
+            return False
+        m_vars = spatial_vars[:-1]
+        lead = idx[:-1]
+        # A's leading indices: the M iters in order (A may omit leading unit dims)
+        if len(lead) > len(m_vars):
+            return False
+        offset = len(m_vars) - len(lead)
+        for j, ix in enumerate(lead):
+            if not is_var(ix, m_vars[offset + j]):
+                return False
+        for j in range(offset):
+            if const_int(ivs[spa[j]].dom.extent) != 1:
+                return False
+        return True
+
+    b_load = a_load = None
+    b_trans = None
+    for cand_b, cand_a in ((rhs, lhs), (lhs, rhs)):
+        t = as_b(cand_b)
+        if t is not None and as_a(cand_a):
+            b_load, a_load, b_trans = cand_b, cand_a, t
+            break
+    if b_load is None:
+        return None
+    reads = [r.source for r in stmt.reads]
+
+    def read_index(buf):
+        for i, r in enumerate(reads):
+            if r.same_as(buf):
+                return i
+        return -1
+
+    a_idx, b_idx = read_index(a_load.source), read_index(b_load.source)
+    if a_idx < 0 or b_idx < 0 or a_idx == b_idx:
+        return None
+    dtypes = {str(store.buffer.dtype), str(a_load.source.dtype), str(b_load.source.dtype)}
+    if len(dtypes) != 1:
+        return None
+    b_shape = [const_int(s) for s in b_load.source.shape]
+    N, K = (b_shape[0], b_shape[1]) if b_trans else (b_shape[1], b_shape[0])
+    if const_int(ivs[spa[-1]].dom.extent) != N or const_int(ivs[red[0]].dom.extent) != K:
+        return None
+    return MatmulPattern(
+        block_name=stmt.name_hint,
+        a_index=a_idx,
+        b_index=b_idx,
+        b_buffer=b_load.source,
+        b_transposed=b_trans,
+        m_axes=spa[:-1],
+        n_axis=spa[-1],
+        k_axis=red[0],
+        m_extents=[ivs[i].dom.extent for i in spa[:-1]],
+        N=N,
+        K=K,
+        dtype=dtypes.pop(),
+    )
+
+
+def prepare_matmul(func: tirx.PrimFunc, dtypes=("float32",)):
+    """Match a (fused) weight matmul and normalize its epilogue.
+
+    Returns (sch, pattern) with the schedule's injective prologue blocks inlined into the
+    matmul and the injective epilogue chain inlined into its last block, or None if the
+    function is not one matmul over a static 2-D weight plus injective blocks.
+    """
+    if not isinstance(func, tirx.PrimFunc):
+        return None
+    try:
+        sch = s_tir.Schedule(func)
+        blocks = root_blocks(sch)
+    except Exception:  # pylint: disable=broad-except
+        return None
+    reductions = [b for b in blocks if is_reduction_block(sch, b)]
+    if len(reductions) != 1:
+        return None
+    main = reductions[0]
+    pattern = match_matmul_block(sch, main)
+    if pattern is None or pattern.dtype not in dtypes:
+        return None
+    main_name = pattern.block_name
+    others = [b for b in blocks if block_name(sch, b) != main_name]
+    if any(not is_spatial_block(sch, b) for b in others):
+        return None
+    # Prologue: blocks producing the matmul's inputs get inlined into it.
+    for _ in range(len(others) + 1):
+        producers = [p for p in sch.get_producers(sch.get_sblock(main_name))]
+        if not producers:
+            break
+        progress = False
+        for p in producers:
+            try:
+                sch.compute_inline(p)
+                progress = True
+            except Exception:  # pylint: disable=broad-except
+                pass
+        if not progress:
+            return None
+    # Epilogue: inline every consumer block but the last into its consumers.
+    for _ in range(len(others) + 1):
+        rest = [b for b in root_blocks(sch) if block_name(sch, b) != main_name]
+        if len(rest) <= 1:
+            break
+        progress = False
+        for b in rest:
+            if not sch.get_consumers(b):
+                continue  # an output block: keep
+            try:
+                sch.compute_inline(b)
+                progress = True
+                break
+            except Exception:  # pylint: disable=broad-except
+                continue
+        if not progress:
+            break
+    rest = [b for b in root_blocks(sch) if block_name(sch, b) != main_name]
+    if len(rest) > 1:
+        return None
+    if rest:
+        consumers = sch.get_consumers(sch.get_sblock(main_name))
+        if len(consumers) != 1 or block_name(sch, consumers[0]) != block_name(sch, rest[0]):
+            return None
+        pattern.epilogue = [block_name(sch, rest[0])]
+    return sch, pattern
+
+
+def layout_free_indices(func: tirx.PrimFunc) -> set:
+    """Parameter positions the build marked as weights (relax.transform.AttachAttrLayoutFreeBuffers)."""
+    attrs = func.attrs
+    if attrs is None or "layout_free_buffers" not in attrs:
+        return set()
+    return {int(i) for i in attrs["layout_free_buffers"]}
+
+
+def param_index(func: tirx.PrimFunc, buffer) -> int:
+    for i, p in enumerate(func.params):
+        if p.same_as(buffer):
+            return i
+    return -1

@@ -1,0 +1,88 @@
+"""Elementwise / injective rule: RoPE, residual adds, SiLU*mul, casts, transposes, reshapes,
+concats, the embedding ``take``.
+
+Claims
+    PrimFuncs whose blocks are all spatial (no reduction iter). Chains of blocks are inlined
+    into their consumer first (an expensive block read by several consumers, e.g. an ``exp``,
+    stays materialized), then every remaining block is scheduled on its own.
+
+Why the schedule is shaped so
+    * The innermost loop follows the output's contiguous axis: it is split by the SIMD width
+      (the largest power of two dividing a static extent, so the vector loop has no predicate)
+      and vectorized; loads that are strided in that axis (transposes, the RoPE rotate-half
+      gather) become gathers/shuffles, stores stay contiguous.
+    * The remaining loops are fused and run in parallel when the kernel is large enough
+      (symbolic extents, or >= 16K elements); a decode-size kernel (one token) stays on the
+      calling thread, where a thread-pool launch would cost more than the work.
+"""
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.base import ScheduleRule
+from tvm.target import Target
+
+from . import common
+from .reduction import inline_spatial_producers
+
+PARALLEL_MIN_ELEMENTS = 16384
+
+
+class Elementwise(ScheduleRule):
+    """Injective kernels: vectorized innermost axis, parallel outer axes."""
+
+    def is_target_available(self, target: Target) -> bool:
+        return common.is_llvm_cpu(target)
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        try:
+            sch = s_tir.Schedule(func)
+            blocks = common.root_blocks(sch)
+        except Exception:  # pylint: disable=broad-except
+            return None
+        if not blocks or any(not common.is_spatial_block(sch, b) for b in blocks):
+            return None
+        try:
+            inline_spatial_producers(sch)
+            lanes = common.vector_lanes(target)
+            for name in [common.block_name(sch, b) for b in common.root_blocks(sch)]:
+                schedule_injective_block(sch, sch.get_sblock(name), lanes)
+        except Exception:  # pylint: disable=broad-except
+            return None
+        return sch
+
+
+def schedule_injective_block(sch: s_tir.Schedule, block, lanes: int):
+    loops = sch.get_loops(block)
+    if not loops:
+        return
+    exts = [common.loop_extent(sch, lp) for lp in loops]
+    inner = loops[-1]
+    vec = None
+    if exts[-1] is not None:
+        width = common.pow2_divisor(exts[-1], lanes)
+        if width > 1:
+            if width == exts[-1]:
+                vec = inner
+                outer_loops = loops[:-1]
+            else:
+                io, vec = sch.split(inner, [None, width])
+                outer_loops = loops[:-1] + [io]
+        else:
+            outer_loops = loops
+    else:
+        outer_loops = loops
+    static = 1
+    symbolic = False
+    for e in exts:
+        if e is None:
+            symbolic = True
+        else:
+            static *= e
+    if outer_loops:
+        fused = sch.fuse(*outer_loops) if len(outer_loops) > 1 else outer_loops[0]
+        if symbolic or static >= PARALLEL_MIN_ELEMENTS:
+            sch.parallel(fused)
+    if vec is not None:
+        sch.vectorize(vec)

@@ -1,0 +1,183 @@
+"""GEMM rule: weight matmuls computed as outer products over a packed weight panel.
+
+Claims
+    Every PrimFunc that is one matmul ``C[m.., n] = sum_k A[m.., k] * B[.., ..]`` against a
+    static 2-D float32 weight ``B`` plus injective prologue/epilogue blocks (bias, residual
+    add, SiLU/GELU, multiply, reshape...), when the weight may change layout:
+
+    * ``B`` is (N, K) (the NT matmul that ``FuseTransposeMatmul`` makes of every linear) and the
+      build marked it as a weight (``layout_free_buffers``, set by
+      ``relax.transform.AttachAttrLayoutFreeBuffers``), or the rule was built with
+      ``prepack=True``: the kernel reads ``B`` packed as ``Bp[N/PN, K, PN]`` (see below);
+    * ``B`` is (K, N) (an NN matmul): rows of ``B`` are already contiguous in n, no packing.
+
+    M (the token dim ``n`` of prefill, or the batch ``b`` of decode) may be symbolic. With a
+    row-major (N, K) weight that must not be repacked, :mod:`.gemv` claims the kernel instead.
+
+Why the schedule is shaped so
+    * Micro-kernel: an ``Mr x PN`` tile of C (``PN = Nv`` vectors of the target's widest SIMD)
+      stays in registers while k runs: per k it loads ``Nv`` vectors of the packed panel and
+      broadcasts ``Mr`` scalars of A, for ``Mr*Nv`` FMAs. The tile is a "global"-scope buffer of
+      < 1 KiB, which TVM puts on the stack and LLVM promotes to registers (a larger tile, or a
+      "local" one, becomes a heap workspace whose stores stay in the k loop, 3x slower).
+    * Packed weight ``Bp[N/PN, K, PN]``: one contiguous, sequential stream per panel for the
+      micro-kernel and for decode; the panel (K x PN floats) is reused from L2 for every
+      ``Mr``-row block of A. The packing is a separate "layout rewrite" block
+      (``meta_schedule.layout_rewrite_preproc``) that ``relax.transform.SplitLayoutRewritePreproc``
+      splits out and ``LiftTransformParams`` moves to build time (see :mod:`.prepack`).
+    * Parallel over N panels (each thread streams its own contiguous part of ``Bp``).
+    * Symbolic M: rows are split by ``Mr`` and the row loop carries
+      ``pragma_loop_partition_hint``, so TVM's LoopPartition emits a predicate-free main loop
+      and a predicated tail. Decode (M = 1) runs only the tail: one row against each panel, a
+      streaming GEMV over the packed weight.
+    * The epilogue is computed per tile right after its k loop (``reverse_compute_at``),
+      vectorized, while the tile is still in registers.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.base import ScheduleRule
+from tvm.target import Target
+
+from . import common
+
+LAYOUT_REWRITE_ATTR = "meta_schedule.layout_rewrite_preproc"
+
+
+def packed_panel_width(target: Target, N: int, K: int, dtype: str = "float32") -> int:
+    """PN, the number of output columns per packed panel (a multiple of the vector width)."""
+    return gemm_tile(target, N, K, dtype)[1] * common.vector_lanes(target, dtype)
+
+
+def gemm_tile(target: Target, N: int, K: int, dtype: str = "float32"):
+    """(Mr, Nv): rows of A and SIMD vectors of C per register tile.
+
+    Accumulators Mr*Nv fill most of the vector register file while the tile stays under the
+    1 KiB stack limit; PN = Nv * lanes prefers widths that divide N (no padded panel).
+    """
+    lanes = common.vector_lanes(target, dtype)
+    isa = common.vector_isa(target)
+    elem = max(1, tvm.runtime.DataType(dtype).bits // 8)
+    if isa == "avx512":
+        cands = [(4, 3), (7, 2), (3, 4), (15, 1)]
+    elif isa == "avx2":
+        cands = [(6, 2), (4, 3), (12, 1)]
+    elif isa == "neon":
+        cands = [(6, 4), (8, 3), (12, 2)]
+    else:
+        cands = [(4, 2), (8, 1)]
+    limit = (common.MAX_STACK_BYTES - 1) // elem
+    cands = [(mr, nv) for mr, nv in cands if mr * nv * lanes <= limit] or [(1, 1)]
+    for mr, nv in cands:
+        if N % (nv * lanes) == 0:
+            return mr, nv
+    return cands[0]
+
+
+class GEMM(ScheduleRule):
+    """Weight matmul (prefill GEMM and decode GEMV) over a packed weight panel."""
+
+    def __init__(self, prepack: str | bool = "auto", tile=None):
+        """prepack: "auto" packs NT weights the build marked layout-free; True packs every NT
+        weight; False never packs (NT matmuls are then left to the GEMV rule).
+        tile: optional (Mr, Nv) override, for experiments."""
+        self.prepack = prepack
+        self.tile = tile
+
+    def is_target_available(self, target: Target) -> bool:
+        return common.is_llvm_cpu(target)
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        prepared = common.prepare_matmul(func)
+        if prepared is None:
+            return None
+        sch, pat = prepared
+        pack = False
+        if pat.b_transposed:
+            if self.prepack is True:
+                pack = True
+            elif self.prepack == "auto":
+                idx = common.param_index(func, pat.b_buffer)
+                pack = idx >= 0 and idx in common.layout_free_indices(func)
+            if not pack:
+                return None
+        try:
+            return schedule_outer_product(sch, pat, target, pack, self.tile)
+        except Exception:  # pylint: disable=broad-except
+            return None
+
+
+def _m_flat_index(pat: common.MatmulPattern, idx):
+    """Row-major flattening of the M indices of C."""
+    flat = None
+    for pos, ext in zip(idx, pat.m_extents):
+        flat = pos if flat is None else flat * ext + pos
+    return flat
+
+
+def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, target: Target,
+                           pack: bool, tile=None) -> s_tir.Schedule:
+    lanes = common.vector_lanes(target, pat.dtype)
+    mr, nv = tile or gemm_tile(target, pat.N, pat.K, pat.dtype)
+    pn = nv * lanes
+    main = sch.get_sblock(pat.block_name)
+
+    # 1. The weight: packed panels Bp[N/PN, K, PN] written by a layout-rewrite block.
+    if pack:
+        rw = sch.cache_read(main, pat.b_index, "global")
+        sch.annotate(rw, LAYOUT_REWRITE_ATTR, True)
+        pad = None if pat.N % pn == 0 else 0.0
+        if pat.b_transposed:
+            imap = lambda n, k: (n // pn, k, n % pn)  # noqa: E731
+        else:
+            imap = lambda k, n: (n // pn, k, n % pn)  # noqa: E731
+        sch.transform_layout(main, ("read", pat.b_index), imap, pad_value=pad)
+        rl = sch.get_loops(rw)
+        if len(rl) >= 1:
+            sch.parallel(rl[0])
+
+    # 2. The accumulator tile: the epilogue's input, or a cache of the output.
+    if pat.epilogue:
+        epi = sch.get_sblock(pat.epilogue[0])
+        sch.set_scope(main, 0, "global")
+    else:
+        epi = sch.cache_write(main, 0, "global")
+
+    # 3. Tiling: no | mo | k | mr | nv | nl
+    loops = sch.get_loops(main)
+    n_iters = len(pat.m_extents) + 2
+    if len(loops) != n_iters:
+        raise ValueError("unexpected loop nest")
+    m_loops = [loops[i] for i in pat.m_axes]
+    n_loop, k_loop = loops[pat.n_axis], loops[pat.k_axis]
+    sch.reorder(*m_loops, n_loop, k_loop)
+    m = sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0]
+    no, nvl, nl = sch.split(n_loop, [None, nv, lanes])
+    mo, mri = sch.split(m, [None, mr])
+    sch.reorder(no, mo, k_loop, mri, nvl, nl)
+    sch.reverse_compute_at(epi, mo)
+    m_static = pat.m_static
+    if m_static is None or m_static % mr != 0:
+        sch.annotate(mo, "pragma_loop_partition_hint", 1)
+    sch.parallel(no)
+    sch.vectorize(nl)
+    sch.unroll(nvl)
+    sch.unroll(mri)
+
+    init = sch.decompose_reduction(main, k_loop)
+    il = sch.get_loops(init)
+    sch.vectorize(il[-1])
+    for lp in il[-3:-1]:
+        sch.unroll(lp)
+    common.vectorize_innermost(sch, epi, lanes)
+
+    # 4. Keep the tile at Mr x PN: the rows of one tile map onto the same Mr slots. Done last,
+    #    as the mapping is not injective over the whole C (tiles reuse the buffer in turn).
+    def tile_map(*idx):
+        return (_m_flat_index(pat, idx[:-1]) % mr, idx[-1] % pn)
+
+    sch.transform_layout(main, ("write", 0), tile_map, assume_injective_transform=True)
+    return sch

@@ -1,0 +1,141 @@
+"""GEMV rule: weight matmuls that read the weight in its row-major (N, K) layout.
+
+Claims
+    PrimFuncs that are one NT matmul ``C[m.., n] = sum_k A[m.., k] * W[n, k]`` against a static
+    2-D float32 weight (plus injective prologue/epilogue blocks), i.e. every linear layer after
+    ``FuseTransposeMatmul``, when the weight is *not* repacked (the :mod:`.gemm` rule takes it
+    when the build marks the weight layout-free). Decode ``x: (b, 1, K)`` with symbolic b is the
+    case it is shaped for; prefill (symbolic n) also runs correctly through it. TVM's dlight CPU
+    GEMV matches nothing once the batch is symbolic.
+
+Why the schedule is shaped so
+    * Bandwidth bound: every weight row is streamed once, contiguously, by one thread. The K
+      loop is split into SIMD lanes and ``rfactor``-ed, so each (row of x, row of W) pair keeps
+      a vector of partial sums; the lanes are summed once per output at the end.
+    * ``Nr`` weight rows are read together (``Nr`` independent streams and accumulator chains,
+      one load of x shared by all of them), for ``Mr`` rows of x at a time: decode batches and
+      prefill reuse each loaded weight vector ``Mr`` times from registers.
+    * Parallel over blocks of weight rows: each thread streams a contiguous part of W.
+    * Symbolic M: rows of x are split by ``Mr``; the row loop carries
+      ``pragma_loop_partition_hint`` so the main loop is predicate-free; decode b=1 runs the
+      tail only (one row of x against ``Nr`` rows of W).
+    * Partial sums and the output tile are "global"-scope buffers of < 1 KiB (stack, promoted to
+      registers by LLVM); the epilogue runs per tile right after the lane reduction.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.base import ScheduleRule
+from tvm.target import Target
+
+from . import common
+
+
+def gemv_tile(target: Target, N: int, K: int, dtype: str = "float32"):
+    """(Mr, Nr, L): rows of x, rows of W, and K lanes per step."""
+    lanes = common.vector_lanes(target, dtype)
+    L = common.pow2_divisor(K, lanes)
+    isa = common.vector_isa(target)
+    if isa == "avx512":
+        cands = [(2, 6), (3, 4), (1, 8), (2, 4), (1, 4), (1, 2), (1, 1)]
+    elif isa == "avx2":
+        cands = [(2, 4), (3, 4), (1, 8), (1, 4), (1, 2), (1, 1)]
+    else:
+        cands = [(3, 4), (2, 4), (1, 8), (1, 4), (1, 2), (1, 1)]
+    elem = max(1, tvm.runtime.DataType(dtype).bits // 8)
+    limit = (common.MAX_STACK_BYTES - 1) // elem
+    for mr, nr in cands:
+        if mr * nr * L <= limit and N % nr == 0:
+            return mr, nr, L
+    return 1, 1, L
+
+
+class GEMV(ScheduleRule):
+    """NT weight matmul over the row-major weight: lane-split dot products, rows streamed."""
+
+    def __init__(self, tile=None):
+        self.tile = tile
+
+    def is_target_available(self, target: Target) -> bool:
+        return common.is_llvm_cpu(target)
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        prepared = common.prepare_matmul(func)
+        if prepared is None:
+            return None
+        sch, pat = prepared
+        if not pat.b_transposed:
+            return None
+        try:
+            return schedule_dot_product(sch, pat, target, self.tile)
+        except Exception:  # pylint: disable=broad-except
+            return None
+
+
+def _m_flat_index(pat: common.MatmulPattern, idx):
+    flat = None
+    for pos, ext in zip(idx, pat.m_extents):
+        flat = pos if flat is None else flat * ext + pos
+    return flat
+
+
+def schedule_dot_product(sch: s_tir.Schedule, pat: common.MatmulPattern, target: Target,
+                         tile=None) -> s_tir.Schedule:
+    mr, nr, L = tile or gemv_tile(target, pat.N, pat.K, pat.dtype)
+    main = sch.get_sblock(pat.block_name)
+    if pat.epilogue:
+        epi = sch.get_sblock(pat.epilogue[0])
+        sch.set_scope(main, 0, "global")
+    else:
+        epi = None
+
+    loops = sch.get_loops(main)
+    if len(loops) != len(pat.m_extents) + 2:
+        raise ValueError("unexpected loop nest")
+    m_loops = [loops[i] for i in pat.m_axes]
+    n_loop, k_loop = loops[pat.n_axis], loops[pat.k_axis]
+    sch.reorder(*m_loops, n_loop, k_loop)
+    m = sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0]
+    no, nri = sch.split(n_loop, [None, nr])
+    mo, mri = sch.split(m, [None, mr])
+    ko, ki = sch.split(k_loop, [None, L])
+    sch.reorder(no, mo, ko, mri, nri, ki)
+    rf = sch.rfactor(ki, factor_axis=0)
+    no, mo, ko, mri, nri, ki = sch.get_loops(rf)
+    sch.reverse_compute_at(main, mo)
+    if epi is not None:
+        sch.reverse_compute_at(epi, mo)
+    m_static = pat.m_static
+    if m_static is None or m_static % mr != 0:
+        sch.annotate(mo, "pragma_loop_partition_hint", 1)
+    sch.parallel(no)
+    if L > 1:
+        sch.vectorize(ki)
+    sch.unroll(nri)
+    sch.unroll(mri)
+    init = sch.decompose_reduction(rf, ko)
+    il = sch.get_loops(init)
+    if L > 1:
+        sch.vectorize(il[-1])
+    for lp in il[-3:-1]:
+        sch.unroll(lp)
+    # Lane sum (and the epilogue): unrolled, one output per (row, weight row).
+    for lp in sch.get_loops(main)[2:]:
+        sch.unroll(lp)
+    if epi is not None:
+        common.vectorize_innermost(sch, epi, max(1, min(nr, common.vector_lanes(target))))
+
+    # Register tiles: partial sums [Mr, Nr, L]; the epilogue's input [Mr, Nr].
+    def rf_map(*idx):
+        return (_m_flat_index(pat, idx[1:-1]) % mr, idx[-1] % nr, idx[0])
+
+    sch.transform_layout(rf, ("write", 0), rf_map, assume_injective_transform=True)
+    if epi is not None:
+        def c_map(*idx):
+            return (_m_flat_index(pat, idx[:-1]) % mr, idx[-1] % nr)
+
+        sch.transform_layout(main, ("write", 0), c_map, assume_injective_transform=True)
+    return sch

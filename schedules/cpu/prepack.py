@@ -1,0 +1,81 @@
+"""Build integration of packed weights (the GEMM rule's ``Bp[N/PN, K, PN]`` layout).
+
+The GEMM rule packs a weight only when the build marked it layout-free: the kernel then
+starts with a "layout rewrite" block (annotated ``meta_schedule.layout_rewrite_preproc``) that
+copies W into the packed buffer. Run per call, that copy would triple decode's memory traffic,
+so the build must move it to build time:
+
+1. before the scheduling pass (after FuseTIR):
+   ``relax.transform.AttachAttrLayoutFreeBuffers()`` — marks the PrimFunc parameters that are
+   model weights (Relax function parameters past ``num_input``), attribute
+   ``layout_free_buffers``. Without it the rules never repack (decode then uses the GEMV rule
+   over the row-major weight; prefill too, slower than packed);
+2. the scheduling pass (``cpu_schedule_pass``);
+3. after it, :func:`prepack_passes`: ``SplitLayoutRewritePreproc`` (splits each kernel into
+   ``<kernel>_weight_prepack`` + ``<kernel>_prepacked`` and calls both from Relax),
+   :class:`DedupPrimFuncs` (prefill's and decode's prepack functions of the same weight are
+   identical: give them one GlobalVar), then
+   ``LiftTransformParams(shared_transform=["prefill", "decode"])`` — the packing becomes part
+   of one ``transform_params`` and the model functions take the packed weights;
+4. run that ``transform_params`` once at build time (after the one from the folding phase,
+   i.e. on its outputs) and save its outputs as the model's weights. The original row-major
+   weight is then dead: packing does not double the weights' memory.
+
+Packed layouts depend on the target's vector width (PN = 48/64 floats on AVX-512, 16 on
+AVX2/NEON): weights are packed for the target they were built for.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import relax, tirx
+
+
+def prepack_passes(model_functions=("prefill", "decode")) -> list:
+    """Relax passes to run right after the scheduling pass so the packing is lifted out of the
+    model functions into a shared ``transform_params``."""
+    return [
+        relax.transform.SplitLayoutRewritePreproc(),
+        DedupPrimFuncs(),
+        relax.transform.LiftTransformParams(shared_transform=list(model_functions)),
+    ]
+
+
+@tvm.transform.module_pass(opt_level=0, name="DedupPrimFuncs")
+class DedupPrimFuncs:
+    """Replace structurally equal PrimFuncs by one GlobalVar (calls are redirected), so that
+    identical weight-packing calls in several Relax functions become one shared expression."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        import tvm_ffi  # pylint: disable=import-outside-toplevel
+
+        prims = [(gv, f) for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)]
+        canon: list = []
+        remap = {}
+        for gv, f in sorted(prims, key=lambda p: p[0].name_hint):
+            body = f.without_attr("global_symbol") if f.attrs and "global_symbol" in f.attrs else f
+            for cgv, cbody in canon:
+                if tvm_ffi.structural_equal(body, cbody):
+                    remap[gv] = cgv
+                    break
+            else:
+                canon.append((gv, body))
+        if not remap:
+            return mod
+
+        @relax.expr_functor.mutator
+        class _Redirect(relax.PyExprMutator):
+            def visit_call_(self, call):  # pylint: disable=arguments-renamed
+                call = super().visit_call_(call)
+                if call.args and isinstance(call.args[0], tvm.ir.GlobalVar) and call.args[0] in remap:
+                    args = [remap[call.args[0]]] + list(call.args[1:])
+                    return relax.Call(call.op, args, call.attrs, call.ty_args, call.span)
+                return call
+
+        new_funcs = {}
+        for gv, f in mod.functions_items():
+            if gv in remap:
+                continue
+            if isinstance(f, relax.Function):
+                f = _Redirect().visit_expr(f)
+            new_funcs[gv] = f
+        return tvm.IRModule(new_funcs, attrs=mod.attrs)

@@ -1,0 +1,186 @@
+"""CPU GEMM rule (packed weight panels): numerics on odd shapes, claims, build-time packing,
+aarch64 NEON code."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from schedules.cpu import common, cpu_schedule_pass, prepack, workloads
+from schedules.cpu.gemm import GEMM
+from schedules.cpu.gemv import GEMV
+
+
+def host_target():
+    return tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu",
+                              "mcpu": str(tvm.target.codegen.llvm_get_system_cpu()),
+                              "num-cores": 2})
+
+
+def ref_linear(x, w, epilogue, extra):
+    y = x @ w.T
+    if epilogue == "bias":
+        y = y + extra
+    elif epilogue == "residual":
+        y = extra + y
+    elif epilogue == "silu":
+        y = y / (1 + np.exp(-y))
+    elif epilogue == "silu_mul":
+        y = y / (1 + np.exp(-y)) * extra
+    return y
+
+
+# (name, K, N, mode, epilogue): K/N not multiples of the tiles; N=100 needs a padded panel.
+SPECS = [
+    ("p_none", 72, 96, "prefill", None),
+    ("p_bias", 64, 100, "prefill", "bias"),
+    ("p_silu_mul", 80, 112, "prefill", "silu_mul"),
+    ("d_residual", 64, 96, "decode", "residual"),
+    ("d_silu", 72, 200, "decode", "silu"),
+    ("t_none", 40, 48, "tokens", None),
+]
+
+
+@pytest.fixture(scope="module")
+def packed_vm():
+    """All SPECS in one module, weights marked layout-free, packing lifted to transform_params."""
+    mod = workloads.linear_suite([dict(name=n, K=k, N=nn, mode=m, epilogue=e)
+                                  for n, k, nn, m, e in SPECS])
+    mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
+    target = host_target()
+    with target:
+        mod = cpu_schedule_pass(None)(mod)
+        scheduled = workloads.prim_funcs(mod)
+        mod = relax.transform.SplitLayoutRewritePreproc()(mod)
+        mod = relax.transform.LiftTransformParams()(mod)
+    ex = tvm.compile(mod, target=target)
+    return relax.VirtualMachine(ex, tvm.cpu()), scheduled
+
+
+def test_all_kernels_scheduled(packed_vm):
+    _, funcs = packed_vm
+    assert funcs and all(bool(f.attrs.get("tirx.is_scheduled", False)) for f in funcs.values())
+    # the kernels carry the layout-rewrite block that SplitLayoutRewritePreproc splits out
+    assert all(GEMM_MARK in f.script() for f in funcs.values())
+
+
+GEMM_MARK = "meta_schedule.layout_rewrite_preproc"
+
+
+@pytest.mark.parametrize("name,K,N,mode,epilogue", SPECS)
+def test_packed_numerics(packed_vm, name, K, N, mode, epilogue):
+    vm, _ = packed_vm
+    dev = tvm.cpu()
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((N, K)).astype("float32")
+    bias = rng.standard_normal((N,)).astype("float32")
+    ms = (1, 3, 8) if mode == "decode" else (1, 7, 129)
+    for M in ms:
+        xs = {"prefill": (1, M, K), "decode": (M, 1, K), "tokens": (M, K)}[mode]
+        x = rng.standard_normal(xs).astype("float32")
+        acts, weights, extra = [x], [w], None
+        if epilogue == "bias":
+            extra = bias
+            weights.append(bias)
+        elif epilogue in ("residual", "silu_mul"):
+            extra = rng.standard_normal(xs[:-1] + (N,)).astype("float32")
+            acts.append(extra)
+        packed = vm[f"{name}_transform_params"]([tvm.runtime.tensor(a, dev) for a in weights])
+        out = vm[name](*[tvm.runtime.tensor(a, dev) for a in acts], *packed).numpy()
+        np.testing.assert_allclose(out, ref_linear(x, w, epilogue, extra), rtol=2e-4, atol=2e-3)
+
+
+def test_claims():
+    target = host_target()
+    mod = workloads.linear(64, 96, "prefill", "bias")
+    marked = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
+    f_marked = workloads.single_prim_func(marked)
+    f_plain = workloads.single_prim_func(mod)
+    assert GEMM().apply(f_marked, target, False) is not None
+    # unmarked NT weight: the GEMM rule leaves it to GEMV (row-major), unless forced
+    assert GEMM().apply(f_plain, target, False) is None
+    assert GEMV().apply(f_plain, target, False) is not None
+    assert GEMM(prepack=True).apply(f_plain, target, False) is not None
+    add = workloads.single_prim_func(workloads.elementwise(64, op="add"))
+    assert GEMM().apply(add, target, False) is None
+    assert GEMV().apply(add, target, False) is None
+    rms = workloads.single_prim_func(workloads.rms_norm(64))
+    assert GEMM(prepack=True).apply(rms, target, False) is None
+
+
+def test_nn_matmul_numerics():
+    """x @ W with W stored (K, N): rows of W are contiguous in n, no packing needed."""
+    target = host_target()
+    mod = workloads.linear(48, 80, "prefill", "silu", layout="NN")
+    with target:
+        mod = cpu_schedule_pass(None)(mod)
+    assert all(bool(f.attrs.get("tirx.is_scheduled", False))
+               for f in workloads.prim_funcs(mod).values())
+    vm = relax.VirtualMachine(tvm.compile(mod, target=target), tvm.cpu())
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((48, 80)).astype("float32")
+    for M in (1, 7, 129):
+        x = rng.standard_normal((1, M, 48)).astype("float32")
+        out = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(w)).numpy()
+        np.testing.assert_allclose(out, ref_linear(x, w.T, "silu", None), rtol=2e-4, atol=2e-3)
+
+
+def test_shared_prepack_between_prefill_and_decode():
+    """Prefill and decode take the same weight: one packed copy in one transform_params."""
+    K, N = 64, 96
+    bb = relax.BlockBuilder()
+    for name, mode in (("prefill", "prefill"), ("decode", "decode")):
+        x = relax.Var("x", relax.TensorType(workloads._x_shape(mode, K), "float32"))
+        w = relax.Var("w", relax.TensorType((N, K), "float32"))
+        with bb.function(name, [x, w], attrs={"num_input": 1}):
+            with bb.dataflow():
+                out = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w)))
+            bb.emit_func_output(out)
+    mod = workloads.lower_to_tir(bb.get())
+    mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
+    target = host_target()
+    with target:
+        mod = cpu_schedule_pass(None)(mod)
+        mod = tvm.transform.Sequential(prepack.prepack_passes())(mod)
+    tp = mod["transform_params"]
+    assert len(tp.ret_ty.fields) == 1  # one packed weight, shared
+    vm = relax.VirtualMachine(tvm.compile(mod, target=target), tvm.cpu())
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((N, K)).astype("float32")
+    packed = vm["transform_params"]([tvm.runtime.tensor(w)])
+    x = rng.standard_normal((1, 5, K)).astype("float32")
+    np.testing.assert_allclose(vm["prefill"](tvm.runtime.tensor(x), *packed).numpy(), x @ w.T,
+                               rtol=2e-4, atol=2e-3)
+    x = rng.standard_normal((2, 1, K)).astype("float32")
+    np.testing.assert_allclose(vm["decode"](tvm.runtime.tensor(x), *packed).numpy(), x @ w.T,
+                               rtol=2e-4, atol=2e-3)
+
+
+def test_target_features():
+    host = host_target()
+    arm = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]})
+    avx2 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "haswell"})
+    skx = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu",
+                             "mcpu": "skylake-avx512"})
+    assert common.vector_isa(arm) == "neon" and common.vector_lanes(arm) == 4
+    assert common.vector_isa(avx2) == "avx2" and common.vector_lanes(avx2) == 8
+    assert common.vector_isa(skx) == "avx512" and common.vector_lanes(skx) == 16
+    assert common.vector_isa(host) in ("avx512", "avx2", "sse")
+
+
+def test_aarch64_neon_fmla():
+    arm = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]})
+    mod = workloads.linear_suite([dict(name="p", K=64, N=96, mode="prefill", epilogue="silu"),
+                                  dict(name="d", K=64, N=96, mode="decode", epilogue="bias")])
+    mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
+    with arm:
+        mod = cpu_schedule_pass(None)(mod)
+    assert all(bool(f.attrs.get("tirx.is_scheduled", False))
+               for f in workloads.prim_funcs(mod).values())
+    mod = relax.transform.SplitLayoutRewritePreproc()(mod)
+    ex = tvm.compile(mod, target=arm)
+    asm = ex.mod.imports[0].inspect_source("asm")
+    assert len(re.findall(r"\bfmla\s+v\d+\.4s", asm)) >= 16

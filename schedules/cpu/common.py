@@ -168,6 +168,30 @@ def root_blocks(sch: s_tir.Schedule):
     return list(sch.get_child_blocks(sch.get_sblock("root")))
 
 
+def is_simple_block(sch: s_tir.Schedule, block) -> bool:
+    """A block as LegalizeOps/FuseTIR make them: it has iter vars (not an opaque block such as
+    the KV-cache attention kernels), sits alone in its own loop nest of one loop per iter var.
+    Only such blocks carry the dependence information that makes our loop transformations
+    (parallel, vectorize, compute_at) valid."""
+    stmt = sch.get(block)
+    if not stmt.iter_vars:
+        return False
+    if any(iv.iter_type not in (tirx.IterVar.DataPar, tirx.IterVar.CommReduce)
+           for iv in stmt.iter_vars):
+        return False
+    loops = sch.get_loops(block)
+    if len(loops) != len(stmt.iter_vars):
+        return False
+    if loops and len(sch.get_child_blocks(loops[0])) != 1:
+        return False
+    return True
+
+
+def all_simple_blocks(sch: s_tir.Schedule, blocks=None) -> bool:
+    blocks = root_blocks(sch) if blocks is None else blocks
+    return bool(blocks) and all(is_simple_block(sch, b) for b in blocks)
+
+
 def _buffer_loads(expr):
     loads = []
 
@@ -358,6 +382,8 @@ def prepare_matmul(func: tirx.PrimFunc, dtypes=("float32",)):
         sch = s_tir.Schedule(func)
         blocks = root_blocks(sch)
     except Exception:  # pylint: disable=broad-except
+        return None
+    if not all_simple_blocks(sch, blocks):
         return None
     reductions = [b for b in blocks if is_reduction_block(sch, b)]
     if len(reductions) != 1:

@@ -41,7 +41,9 @@ class Elementwise(ScheduleRule):
             blocks = common.root_blocks(sch)
         except Exception:  # pylint: disable=broad-except
             return None
-        if not blocks or any(not common.is_spatial_block(sch, b) for b in blocks):
+        if not common.all_simple_blocks(sch, blocks):
+            return None
+        if any(not common.is_spatial_block(sch, b) for b in blocks):
             return None
         try:
             inline_spatial_producers(sch)

@@ -107,6 +107,8 @@ class RowReduction(ScheduleRule):
     def _apply(self, func, target):
         sch = s_tir.Schedule(func)
         blocks = common.root_blocks(sch)
+        if not common.all_simple_blocks(sch, blocks):
+            return None
         if not any(common.is_reduction_block(sch, b) for b in blocks):
             return None
         # Every reduction: a single trailing reduce iter.

@@ -141,6 +141,24 @@ def test_claims():
     assert Elementwise().apply(mm_f, target, False) is None
 
 
+def test_opaque_blocks_left_alone():
+    """Hand-written kernels with opaque blocks (the KV-cache attention) carry no dependence
+    information: no rule may parallelize or vectorize their loops."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def opaque(a: T.Buffer((16,), "float32"), b: T.Buffer((16,), "float32")):
+        for i in range(16):
+            with T.sblock("o"):
+                T.reads(a[i])
+                T.writes(b[i])
+                b[i] = a[i] * T.float32(2.0)
+
+    target = host_target()
+    assert Elementwise().apply(opaque, target, False) is None
+    assert RowReduction().apply(opaque, target, False) is None
+
+
 def test_llama_block_fully_scheduled():
     """RMSNorm -> q (bias) / gate,up (SiLU*mul) / down (+residual), softmax: every kernel of
     the lowered block is claimed by one of our rules."""

@@ -27,6 +27,7 @@ class Matmul:
     a_dtype: str
     b_dtype: str
     out_dtype: str
+    k_contiguous: bool    # both operands are read along K in their innermost axis (x @ W^T)
 
 
 def _load_of(expr):
@@ -64,8 +65,14 @@ def find_matmul(sch: s_tir.Schedule) -> Matmul | None:
     if operands is None or get_index_map(stmt) is None:
         return None
     a, b = operands
+    reduce_vars = [iv.var for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
+
+    def k_innermost(load):
+        last = load.indices[-1]
+        return len(reduce_vars) == 1 and isinstance(last, tirx.Var) and last.same_as(reduce_vars[0])
+
     return Matmul(block, stmt.name_hint, str(a.source.dtype), str(b.source.dtype),
-                  str(stmt.body.buffer.dtype))
+                  str(stmt.body.buffer.dtype), k_innermost(a) and k_innermost(b))
 
 
 def widen_accumulator(func: tirx.PrimFunc, block_name: str, acc_dtype: str = "float32"):

@@ -23,11 +23,11 @@ from .analysis import find_matmul, symbolic_bound, widen_accumulator
 
 
 class DecodeGEMV(ScheduleRule):
-    def __init__(self, warp_size: int = 32, rows_per_block: int = 4, vec: int = 8,
+    def __init__(self, warp_size: int = 32, rows_per_block: int = 4, vector_bytes: int = 16,
                  max_rows: int = 16):
         self.warp_size = warp_size
         self.rows_per_block = rows_per_block
-        self.vec = vec
+        self.vector_bytes = vector_bytes
         self.max_rows = max_rows
 
     def _analyze(self, func, target):
@@ -37,7 +37,7 @@ class DecodeGEMV(ScheduleRule):
             return None
         sch = s_tir.Schedule(func)
         mm = find_matmul(sch)
-        if mm is None or mm.a_dtype != mm.b_dtype:
+        if mm is None or not mm.k_contiguous or mm.a_dtype != mm.b_dtype:
             return None
         if mm.a_dtype not in ("float16", "bfloat16", "float32"):
             return None
@@ -59,7 +59,8 @@ class DecodeGEMV(ScheduleRule):
         func, _ = widen_accumulator(func, mm.name)
         sch = s_tir.Schedule(func)
         main = sch.get_sblock(mm.name)
-        lanes, vec, ts = self.warp_size, self.vec, self.rows_per_block
+        lanes, ts = self.warp_size, self.rows_per_block
+        vec = self.vector_bytes // (4 if mm.a_dtype == "float32" else 2)   # 16-byte loads
 
         # normalise to C[S, I, J] += A[S, I, K] * B[S, J, K]
         reindex_a = sch.reindex(main, ("read", 0))

@@ -1,7 +1,8 @@
 """One tensor-core GEMM schedule for NVIDIA mma.sync and AMD MFMA, parameterised per target.
 
 Claims: a fused kernel whose single reduction is C[s, i, j] += A[s, i, k] * W[j, k] with
-fp16 (or bf16 where the target has the intrinsic) inputs, batch s = 1, static N and K (the
+fp16 inputs (int8 with the ROCm int8 config), both read along K in their innermost axis
+(W stored (N, K): x @ W^T after FuseTransposeMatmul), batch s = 1, static N and K (the
 weight), and M static >= `min_m` or symbolic (prefill's token count n) unless its declared
 bound says it is a decode batch (the GEMV rule's). Elementwise epilogues fused after the
 matmul (bias, residual add, activation, cast) are computed from the accumulator registers.
@@ -88,7 +89,9 @@ class TensorCoreMatmul(ScheduleRule):
             return None
         sch = s_tir.Schedule(func)
         mm = find_matmul(sch)
-        if mm is None or mm.a_dtype != mm.b_dtype or mm.a_dtype not in cfg.intrinsics:
+        if mm is None or not mm.k_contiguous:   # x @ W^T with W (N, K) only
+            return None
+        if mm.a_dtype != mm.b_dtype or mm.a_dtype not in cfg.intrinsics:
             return None
         acc = _accumulator_dtype(mm.a_dtype)
         if mm.out_dtype not in ((acc,) if acc == "int32" else ("float16", "bfloat16", "float32")):

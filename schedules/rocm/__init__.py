@@ -25,13 +25,12 @@ def _bind_store(sch, i, j):
 
 
 def mfma_config() -> TensorCoreConfig:
-    """fp16 (and bf16) GEMM: 128x128 workgroup tile, 2x2 wavefronts of 64x64, K tile 32."""
+    """fp16 GEMM: 128x128 workgroup tile, 2x2 wavefronts of 64x64, K tile 32."""
     from . import intrinsics as I
 
     return TensorCoreConfig(
         target_kind="rocm", warp_size=64,
-        intrinsics={"float16": (I.LOAD_F16, I.LOAD_F16, I.MFMA_F16_NT, I.FILL_F32),
-                    "bfloat16": (I.LOAD_BF16, I.LOAD_BF16, I.MFMA_BF16_NT, I.FILL_F32)},
+        intrinsics={"float16": (I.LOAD_F16, I.LOAD_F16, I.MFMA_F16_NT, I.FILL_F32)},
         layout_a=I.operand_layout, layout_b=I.operand_layout, layout_c=I.accumulator_layout,
         bind_store=_bind_store, shared_scope="shared",
         target_check=lambda target: _mcpu(target) in MFMA_ARCHS)

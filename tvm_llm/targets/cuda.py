@@ -108,16 +108,23 @@ class CUDATarget(TargetSpec):
 
 # ---------------------------------------------------------------------- nvcc
 def compile_ptx(source: str, arch: str) -> str:
-    """CUDA source -> PTX text for `arch` with nvcc (TVM's flags: -O3, fast math)."""
+    """CUDA source -> PTX text for `arch` with nvcc (TVM's flags: -O3, fast math); NVRTC
+    (the cuda-bindings package) where there is no nvcc."""
+    import shutil
+
     import tvm
     from tvm.support import nvcc
 
     with tvm.target.Target({"kind": "cuda", "arch": arch}):
-        try:
+        if shutil.which("nvcc"):
             ptx = nvcc.compile_cuda(source, target_format="ptx", arch=arch, compiler="nvcc")
-        except FileNotFoundError as err:
-            raise UserError("nvcc not found: install the CUDA toolkit (or put nvcc on PATH) "
-                            "to build for --target cuda") from err
+        else:
+            try:
+                ptx = nvcc.compile_cuda(source, target_format="ptx", arch=arch, compiler="nvrtc")
+            except ImportError as err:
+                raise UserError("neither nvcc nor NVRTC found: install the CUDA toolkit (nvcc "
+                                "on PATH) or `pip install cuda-bindings` to build for "
+                                "--target cuda") from err
     return bytes(ptx).decode()
 
 

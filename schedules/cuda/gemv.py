@@ -49,7 +49,12 @@ class DecodeGEMV(ScheduleRule):
         rows = symbolic_bound(func, m_ext)
         if rows is None or rows > self.max_rows:
             return None
+        if int(k_ext) % self._vec(mm.a_dtype):
+            return None   # K must split into whole 16-byte vectors
         return mm, rows
+
+    def _vec(self, dtype: str) -> int:
+        return self.vector_bytes // (4 if dtype == "float32" else 2)
 
     def apply(self, func, target, _tunable):
         found = self._analyze(func, target)
@@ -60,7 +65,7 @@ class DecodeGEMV(ScheduleRule):
         sch = s_tir.Schedule(func)
         main = sch.get_sblock(mm.name)
         lanes, ts = self.warp_size, self.rows_per_block
-        vec = self.vector_bytes // (4 if mm.a_dtype == "float32" else 2)   # 16-byte loads
+        vec = self._vec(mm.a_dtype)            # elements per 16-byte load
 
         # normalise to C[S, I, J] += A[S, I, K] * B[S, J, K]
         reindex_a = sch.reindex(main, ("read", 0))

@@ -103,6 +103,8 @@ class TensorCoreMatmul(ScheduleRule):
             return None
         if _as_int(n_ext) < 16 or _as_int(k_ext) < cfg.frag_k:
             return None
+        if _as_int(k_ext) % (cfg.vector_bytes // _dtype_bytes(mm.a_dtype)):
+            return None   # rows must split into whole 16-byte vectors (padding is per row)
         m_static = _as_int(m_ext)
         if m_static is not None and m_static < cfg.min_m:
             return None
@@ -159,8 +161,7 @@ class TensorCoreMatmul(ScheduleRule):
         def fetch_to_shared(index):
             block = sch.cache_read(block_outer, index, cfg.shared_scope)
             sch.compute_at(block, k0)
-            dtype_bytes = 2 if mm.a_dtype in ("float16", "bfloat16") else 1
-            vec = cfg.vector_bytes // dtype_bytes
+            vec = cfg.vector_bytes // _dtype_bytes(mm.a_dtype)
             fused = sch.fuse(*sch.get_loops(block)[-2:])
             _, ty, tx, v = sch.split(fused, factors=[None, num_warps, cfg.warp_size, vec])
             sch.bind(ty, "threadIdx.y")
@@ -211,6 +212,10 @@ class TensorCoreMatmul(ScheduleRule):
             sch.tensorize(sch.get_loops(block_inner)[-3], mma)
             sch.tensorize(sch.get_loops(init_inner)[-2], fill)
         return sch
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1}[dtype]
 
 
 def _accumulator_dtype(in_dtype: str) -> str:

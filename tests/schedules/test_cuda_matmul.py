@@ -180,3 +180,31 @@ def test_exported_ptx_uses_mma_sync_and_ldmatrix(spec, compiled):
     # 2x2 warps x (4x4 fragments x 2 mma.sync) per 16-wide K step, 2 steps per K tile
     assert counts["mma.sync"] >= 64 and counts["mma.sync"] % 32 == 0, counts
     assert counts["ldmatrix"] >= 16 and counts["ldmatrix"] % 8 == 0, counts
+
+
+def _te_matmul(k: int, nt: bool = True, m=None):
+    from tvm import te
+
+    m = m if m is not None else tvm.tirx.Var("n", "int64")
+    x = te.placeholder((1, m, k), "float16", name="x")
+    w = te.placeholder((256, k) if nt else (k, 256), "float16", name="w")
+    r = te.reduce_axis((0, k), name="k")
+    y = te.compute((1, m, 256), lambda b, i, j: te.sum(
+        x[b, i, r] * (w[j, r] if nt else w[r, j]), axis=r), name="y")
+    return te.create_prim_func([x, w, y])
+
+
+def test_rules_leave_other_matmuls_to_dlight(spec):
+    """Not claimed: W stored (K, N) (read across K), K not a whole number of 16-byte vectors,
+    a small static M (a GEMV's)."""
+    from schedules.cuda import cuda_rules
+
+    tensor_core, gemv = cuda_rules()
+    target = spec.tvm_target()
+    assert tensor_core.claims(_te_matmul(128), target)
+    assert not tensor_core.claims(_te_matmul(128, nt=False), target)
+    assert not tensor_core.claims(_te_matmul(84), target)
+    assert not tensor_core.claims(_te_matmul(128, m=4), target)
+    with target:
+        assert gemv.apply(_te_matmul(128, m=4), target, False) is not None
+        assert gemv.apply(_te_matmul(84, m=4), target, False) is None

@@ -23,6 +23,7 @@ SHAPES = {
     "llama-tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, intermediate_size=256, vocab_size=1000),
 }
+ABLATION_PHASES = ("import_cleanup", "fusion", "folding", "scheduling")
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tvm_llm", "bench")
 
 
@@ -42,9 +43,10 @@ def make_checkpoint(shape: str) -> str:
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    here = os.path.dirname(os.path.abspath(__file__))
-    tok_dir = os.path.join(here, "..", "tvm_llm", "default_model")
-    shutil.copy(os.path.join(tok_dir, "tokenizer.json"), tmp)  # ids < 32000: any tokenizer will do
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from tiny_models import make_tokenizer
+
+    make_tokenizer(tmp)  # a small BPE: the benchmark feeds token ids, any tokenizer will do
     os.replace(tmp, path) if not os.path.exists(path) else (shutil.rmtree(path), os.replace(tmp, path))
     return path
 
@@ -145,6 +147,8 @@ def main(argv=None):
     p.add_argument("--rebuild", action="store_true", help="rebuild even if a cached build exists")
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.add_argument("--ablation", action="store_true",
+                   help="also build with each optional pass phase switched off and compare")
     args = p.parse_args(argv)
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
 
@@ -152,6 +156,11 @@ def main(argv=None):
     out = build_model(ckpt, args.shape, args.rebuild)
     runners = [] if args.no_transformers else [TransformersRunner(ckpt, args.threads)]
     runners.append(TvmRunner(out, args.threads))
+    if args.ablation:
+        for phase in ABLATION_PHASES:
+            off = build_model(ckpt, args.shape, args.rebuild, tag=f"no-{phase}",
+                              disabled_phases=(phase,))
+            runners.append(TvmRunner(off, args.threads, name=f"tvm_llm without {phase}"))
     print(f"# {args.shape}, fp32, batch 1, prompt {args.prompt_len}, generate {args.gen_len}, "
           f"{args.threads} threads, median of {args.repeats}", flush=True)
     results = measure(runners, args.prompt_len, args.gen_len, args.repeats)

@@ -100,3 +100,19 @@ class ActivationRhs:  # the right operand is an activation, not a weight: not a 
 def test_does_not_fire_without_a_shared_input_or_weights():
     for mod in (DifferentInputs, ActivationRhs):
         tvm.ir.assert_structural_equal(MergeParallelLinear()(mod), mod)
+
+
+def test_keeps_the_output_dtype():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([3, 8], "float16"))
+    w1 = relax.Var("w1", relax.TensorType([4, 8], "float16"))
+    w2 = relax.Var("w2", relax.TensorType([4, 8], "float16"))
+    with bb.function("main", [x, w1, w2], attrs={"num_input": 1}):
+        with bb.dataflow():
+            a = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w1), out_dtype="float32"))
+            b = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w2), out_dtype="float32"))
+            out = bb.emit_output(relax.Tuple([a, b]))
+        bb.emit_func_output(out)
+    after = MergeParallelLinear()(bb.get())["main"]
+    assert op_names(after).count("relax.matmul") == 1
+    assert [f.dtype for f in after.ret_ty.fields] == ["float32", "float32"]

@@ -59,3 +59,21 @@ def test_numerics_on_vs_off():
     on = compile_and_run(UnflattenLinear()(Before), "main", [x, w])
     np.testing.assert_allclose(on, off, atol=1e-5)
     np.testing.assert_allclose(on, x @ w.T, atol=1e-5)
+
+
+@tvm.script.ir_module
+class HalfInFloatOut:  # fp16 operands accumulated to fp32 (how the importer emits fp16 linears)
+    @R.function
+    def main(x: R.Tensor((2, 5, 8), "float16"), w: R.Tensor((6, 8), "float16")):
+        with R.dataflow():
+            flat = R.reshape(x, R.shape([10, 8]))
+            y = R.matmul(flat, R.permute_dims(w), out_dtype="float32")
+            out = R.reshape(y, R.shape([2, 5, 6]))
+            R.output(out)
+        return out
+
+
+def test_keeps_the_output_dtype():
+    after = UnflattenLinear()(HalfInFloatOut)["main"]
+    assert op_names(after).count("relax.reshape") == 0
+    assert after.ret_ty.dtype == "float32"

@@ -117,7 +117,8 @@ class _Merger(PyExprMutator):
     def visit_var_binding_(self, binding):
         group = self.first.get(binding.var)
         if group is not None:
-            self._emit_merged(group, self.visit_expr(binding.value.args[0]))
+            self._emit_merged(group, self.visit_expr(binding.value.args[0]),
+                              binding.value.attrs.out_dtype)
         if binding.var in self.replaced:
             new = self.builder_.emit(self.replaced[binding.var])
             self.set_var_remap(binding.var, new)
@@ -126,9 +127,9 @@ class _Merger(PyExprMutator):
             return  # the un-biased matmul of a merged biased linear: no longer needed
         super().visit_var_binding_(binding)
 
-    def _emit_merged(self, group, x):
+    def _emit_merged(self, group, x, out_dtype):
         w = self.builder_.emit(relax.op.concat([m["w"] for m in group], axis=0))
-        y = self.builder_.emit(relax.op.matmul(x, relax.op.permute_dims(w)))
+        y = self.builder_.emit(relax.op.matmul(x, relax.op.permute_dims(w), out_dtype=out_dtype))
         if group[0]["bias"] is not None:
             b = self.builder_.emit(relax.op.concat([m["bias"] for m in group], axis=0))
             y = self.builder_.emit(relax.op.add(y, b))

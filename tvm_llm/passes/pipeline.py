@@ -13,9 +13,12 @@ import time
 PHASES = ("import_cleanup", "fusion", "folding", "lowering", "scheduling", "finalize")
 
 
-def phase_passes(target_spec, disabled: frozenset = frozenset()) -> list[tuple[str, list]]:
+def phase_passes(target_spec, disabled: frozenset = frozenset(), tuning_log: str | None = None,
+                 tuning_report: dict | None = None) -> list[tuple[str, list]]:
     """(phase name, passes) in order for `target_spec`. Phases in `disabled` are left empty
-    where skipping them keeps the module compilable (used by the ablation benchmark)."""
+    where skipping them keeps the module compilable (used by the ablation benchmark).
+    With `tuning_log`, scheduling starts by applying that MetaSchedule log (tvm_llm.tune),
+    before our rules, and fills `tuning_report`."""
     from tvm import relax
 
     from .fold_identity_take import FoldIdentityTake
@@ -37,12 +40,21 @@ def phase_passes(target_spec, disabled: frozenset = frozenset()) -> list[tuple[s
                      relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
                      relax.transform.FoldConstant(), relax.transform.FuseOps(),
                      relax.transform.FuseTIR()],
-        "scheduling": list(target_spec.schedule_passes()),
+        "scheduling": _tuning_passes(target_spec, tuning_log, tuning_report)
+                      + list(target_spec.schedule_passes()),
         "finalize": _finalize_passes(target_spec),
     }
     optional = {"import_cleanup", "fusion", "folding", "scheduling"}
     return [(name, [] if (name in disabled and name in optional) else phases[name])
             for name in PHASES]
+
+
+def _tuning_passes(target_spec, tuning_log, report) -> list:
+    if not tuning_log:
+        return []
+    from ..tune.apply import tuning_log_pass
+
+    return [tuning_log_pass(target_spec, tuning_log, report if report is not None else {})]
 
 
 def _finalize_passes(target_spec) -> list:
@@ -108,8 +120,12 @@ def kernels_per_call(mod, func_name: str) -> int:
 
 
 def run_pipeline(mod, target_spec, dump_dir: str | None = None,
-                 disabled: frozenset = frozenset()):
+                 disabled: frozenset = frozenset(), tuning_log: str | None = None,
+                 stop_after: str | None = None):
     """Apply every phase; return (module, weight transform module or None, report).
+    `tuning_log`: a MetaSchedule log directory applied first in "scheduling" (its report goes
+    in that phase's entry, key "tuning"); `stop_after`: a phase name to stop after (the
+    tuner extracts kernels after "lowering").
 
     After the folding phase the lifted weight transform is taken out of the module: the build
     runs it once on the host (fold_weights.apply_weight_transform)."""
@@ -120,8 +136,9 @@ def run_pipeline(mod, target_spec, dump_dir: str | None = None,
     report = []
     weight_transform = None
     target = target_spec.tvm_target()
+    tuning: dict = {}
     with target, tvm.transform.PassContext(opt_level=3, config=target_spec.pass_context_config()):
-        for i, (name, passes) in enumerate(phase_passes(target_spec, disabled)):
+        for i, (name, passes) in enumerate(phase_passes(target_spec, disabled, tuning_log, tuning)):
             t0 = time.perf_counter()
             if passes:
                 mod = tvm.transform.Sequential(passes, name=name)(mod)
@@ -131,10 +148,14 @@ def run_pipeline(mod, target_spec, dump_dir: str | None = None,
             ops = count_ops(mod)
             report.append({"phase": name, "seconds": round(seconds, 3),
                            "relax_calls": sum(ops.values()), "skipped": not passes})
+            if name == "scheduling" and tuning:
+                report[-1]["tuning"] = tuning
             if dump_dir:
                 os.makedirs(dump_dir, exist_ok=True)
                 with open(os.path.join(dump_dir, f"{i}_{name}.py"), "w") as f:
                     f.write(mod.script(show_meta=False))
+            if name == stop_after:
+                return mod, weight_transform, report
     report.append({"phase": "total", "seconds": round(sum(r["seconds"] for r in report), 3),
                    "relax_calls": report[-1]["relax_calls"], "skipped": False,
                    "decode_kernels": kernels_per_call(mod, "decode"),

@@ -31,7 +31,7 @@ def rewrite_function(func: relax.Function) -> tuple[relax.Function, int]:
         if len(in_shape) < 3 or not _leading_dims_equal(in_shape, out_shape):
             return expr
         count[0] += 1
-        return relax.op.matmul(src, matches[wt])
+        return relax.op.matmul(src, matches[wt], out_dtype=matches[mm].attrs.out_dtype)
 
     return rewrite_call(pattern, rewriter, func), count[0]
 

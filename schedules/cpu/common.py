@@ -251,6 +251,12 @@ class MatmulPattern:
     epilogue: list = field(default_factory=list)  # remaining injective consumer block names
 
     @property
+    def decode_like(self) -> bool:
+        """x: (b, 1, K) with symbolic b: a decode step (b is small, usually 1)."""
+        return (len(self.m_extents) >= 2 and const_int(self.m_extents[-1]) == 1
+                and self.m_static is None)
+
+    @property
     def m_static(self) -> int | None:
         total = 1
         for e in self.m_extents:

@@ -184,3 +184,30 @@ def test_aarch64_neon_fmla():
     ex = tvm.compile(mod, target=arm)
     asm = ex.mod.imports[0].inspect_source("asm")
     assert len(re.findall(r"\bfmla\s+v\d+\.4s", asm)) >= 16
+
+
+@pytest.mark.skipif(not tvm.target.codegen.llvm_cpu_has_features("avx2", host_target()),
+                    reason="host cannot run AVX2 code")
+def test_avx2_target_numerics():
+    """The same rules on an AVX2-only target (8 lanes, 16 registers): packed and row-major."""
+    target = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "haswell",
+                                "num-cores": 2})
+    mod = workloads.linear_suite([dict(name="p", K=72, N=100, mode="prefill", epilogue="silu"),
+                                  dict(name="d", K=72, N=100, mode="decode", epilogue=None)])
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((100, 72)).astype("float32")
+    for marked in (True, False):
+        m = relax.transform.AttachAttrLayoutFreeBuffers()(mod) if marked else mod
+        with target:
+            m = cpu_schedule_pass(None)(m)
+            assert all(bool(f.attrs.get("tirx.is_scheduled", False))
+                       for f in workloads.prim_funcs(m).values())
+            m = relax.transform.SplitLayoutRewritePreproc()(m)
+            m = relax.transform.LiftTransformParams()(m)
+        vm = relax.VirtualMachine(tvm.compile(m, target=target), tvm.cpu())
+        for name, xs, epi in (("p", (1, 129, 72), "silu"), ("d", (3, 1, 72), None)):
+            x = rng.standard_normal(xs).astype("float32")
+            wp = (vm[f"{name}_transform_params"]([tvm.runtime.tensor(w)]) if marked
+                  else [tvm.runtime.tensor(w)])
+            out = vm[name](tvm.runtime.tensor(x), *wp).numpy()
+            np.testing.assert_allclose(out, ref_linear(x, w, epi, None), rtol=2e-4, atol=2e-3)

@@ -137,17 +137,24 @@ def run_pipeline(mod, target_spec, dump_dir: str | None = None,
     weight_transform = None
     target = target_spec.tvm_target()
     tuning: dict = {}
+    calls_before = sum(count_ops(mod).values())
     with target, tvm.transform.PassContext(opt_level=3, config=target_spec.pass_context_config()):
         for i, (name, passes) in enumerate(phase_passes(target_spec, disabled, tuning_log, tuning)):
             t0 = time.perf_counter()
-            if passes:
-                mod = tvm.transform.Sequential(passes, name=name)(mod)
+            pass_seconds = {}
+            for p in passes:  # one at a time, so the report can say what each pass cost
+                t_pass = time.perf_counter()
+                mod = p(mod)
+                key = p.info.name
+                pass_seconds[key] = round(pass_seconds.get(key, 0) + time.perf_counter() - t_pass, 3)
             if name == "folding":
                 mod, weight_transform = split_weight_transform(mod)
             seconds = time.perf_counter() - t0
             ops = count_ops(mod)
             report.append({"phase": name, "seconds": round(seconds, 3),
-                           "relax_calls": sum(ops.values()), "skipped": not passes})
+                           "relax_calls_before": calls_before, "relax_calls": sum(ops.values()),
+                           "skipped": not passes, "passes": pass_seconds})
+            calls_before = sum(ops.values())
             if name == "scheduling" and tuning:
                 report[-1]["tuning"] = tuning
             if dump_dir:

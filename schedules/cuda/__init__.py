@@ -38,11 +38,13 @@ def _sm(target) -> int:
     return int(digits) if digits else 0
 
 
-def cuda_rules(tensorize: bool = True) -> list:
-    """Our rules, most specific first."""
+def cuda_rules(tensorize: bool = True, narrow: bool = True) -> list:
+    """Our rules, most specific first. tensorize=False / narrow=False: the variants the CPU
+    checks run (schedules.cuda.verify)."""
     from .gemv import DecodeGEMV
 
-    return [TensorCoreMatmul(mma_config(), tensorize=tensorize), DecodeGEMV(warp_size=32)]
+    return [TensorCoreMatmul(mma_config(), tensorize=tensorize, narrow=narrow),
+            DecodeGEMV(warp_size=32, narrow=narrow)]
 
 
 def cuda_schedule_passes(target_spec=None) -> list:

@@ -163,3 +163,23 @@ class AnnotateSymbolicBounds:
             if mapping:
                 mod[gvar] = mod[gvar].with_attr(BOUND_ATTR, mapping)
         return mod
+
+
+INT32_MAX = 2**31 - 1
+
+
+def narrow_indices(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`func` with int64 index arithmetic turned into int32 (TVM's ForceNarrowIndexToInt32)
+    when every buffer provably has fewer than 2^31 elements (symbolic dims by their declared
+    bounds); `func` unchanged otherwise. GPUs do int64 address math in several instructions."""
+    for param in func.params:
+        size = 1
+        for dim in param.shape:
+            bound = symbolic_bound(func, dim)
+            if bound is None:
+                return func
+            size *= bound
+        if size > INT32_MAX:
+            return func
+    mod = tvm.IRModule({"main": func})
+    return tvm.tirx.transform.ForceNarrowIndexToInt32()(mod)["main"]

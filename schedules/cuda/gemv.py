@@ -19,12 +19,13 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers, auto_inline_producers, get_index_map
 
-from .analysis import find_matmul, symbolic_bound, widen_accumulator
+from .analysis import find_matmul, narrow_indices, symbolic_bound, widen_accumulator
 
 
 class DecodeGEMV(ScheduleRule):
     def __init__(self, warp_size: int = 32, rows_per_block: int = 4, vector_bytes: int = 16,
-                 max_rows: int = 16):
+                 max_rows: int = 16, narrow: bool = True):
+        self.narrow = narrow
         self.warp_size = warp_size
         self.rows_per_block = rows_per_block
         self.vector_bytes = vector_bytes
@@ -117,7 +118,7 @@ class DecodeGEMV(ScheduleRule):
         sch.set_scope(main, 0, "local")
         for block in epilogue:
             sch.reverse_compute_at(block, j1)
-        return sch
+        return s_tir.Schedule(narrow_indices(sch.mod["main"])) if self.narrow else sch
 
 
 def _producer_of(sch, block, buf):

@@ -18,6 +18,9 @@ Schedule (block tile BM x BN, warps_m x warps_n warps each frags_m x frags_n 16x
     writing the elements its registers hold (no shared-memory round trip, so the 64 KiB LDS
     of a CDNA workgroup suffices).
 
+The scheduled kernel's index arithmetic is narrowed to int32 when the declared bounds allow
+(`narrow`; analysis.narrow_indices).
+
 `tensorize=False` keeps every step but the five `tensorize` calls: the blocks then compute
 exactly what the intrinsics' descriptions say, which the CPU tests run (serialised) to check
 the tiling, padding and layouts numerically.
@@ -31,7 +34,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumer_chain, auto_inline_producers, get_index_map
 
-from .analysis import find_matmul, symbolic_bound, widen_accumulator
+from .analysis import find_matmul, narrow_indices, symbolic_bound, widen_accumulator
 
 
 @dataclass(frozen=True)
@@ -73,9 +76,10 @@ def _as_int(expr):
 class TensorCoreMatmul(ScheduleRule):
     """dlight ScheduleRule: the GEMM schedule above for `config`."""
 
-    def __init__(self, config: TensorCoreConfig, tensorize: bool = True):
+    def __init__(self, config: TensorCoreConfig, tensorize: bool = True, narrow: bool = True):
         self.config = config
         self.tensorize = tensorize
+        self.narrow = narrow
 
     # ------------------------------------------------------------ claiming
     def claims(self, func: tirx.PrimFunc, target) -> bool:
@@ -211,7 +215,7 @@ class TensorCoreMatmul(ScheduleRule):
             sch.tensorize(loop_b, load_b)
             sch.tensorize(sch.get_loops(block_inner)[-3], mma)
             sch.tensorize(sch.get_loops(init_inner)[-2], fill)
-        return sch
+        return s_tir.Schedule(narrow_indices(sch.mod["main"])) if self.narrow else sch
 
 
 def _dtype_bytes(dtype: str) -> int:

@@ -7,6 +7,9 @@ plain loops and compiles the result for the host CPU: shared and warp buffers be
 arrays, each thread's work runs in turn, and cooperative loads are merely repeated, so the
 result equals the GPU's whenever the tiling is right. A wrong split, a missing tail predicate
 or a bad index shows up as a wrong number.
+
+Build the GEMM rule with `narrow=False` for these runs: serialised, its shared tiles are
+compacted over the whole symbolic extent, which int32 index arithmetic cannot bound.
 """
 from __future__ import annotations
 

@@ -48,13 +48,13 @@ def mfma_i8_config() -> TensorCoreConfig:
         frag_k=32, k_tile=64, target_check=lambda target: _mcpu(target) in MFMA_K32_I8_ARCHS)
 
 
-def rocm_rules(tensorize: bool = True) -> list:
-    """Our rules, most specific first."""
+def rocm_rules(tensorize: bool = True, narrow: bool = True) -> list:
+    """Our rules, most specific first (tensorize/narrow=False: see schedules.cuda.verify)."""
     from schedules.cuda.gemv import DecodeGEMV
 
-    return [TensorCoreMatmul(mfma_config(), tensorize=tensorize),
-            TensorCoreMatmul(mfma_i8_config(), tensorize=tensorize),
-            DecodeGEMV(warp_size=64)]
+    return [TensorCoreMatmul(mfma_config(), tensorize=tensorize, narrow=narrow),
+            TensorCoreMatmul(mfma_i8_config(), tensorize=tensorize, narrow=narrow),
+            DecodeGEMV(warp_size=64, narrow=narrow)]
 
 
 def rocm_schedule_passes(target_spec=None) -> list:

@@ -91,7 +91,7 @@ def test_tensor_core_schedule_numerics_on_cpu(spec, kernels, n):
     from schedules.cuda import cuda_rules
     from schedules.cuda.verify import run_on_cpu
 
-    rule = cuda_rules(tensorize=False)[0]
+    rule = cuda_rules(tensorize=False, narrow=False)[0]
     with spec.tvm_target():
         sch = rule.apply(kernels["prefill"], spec.tvm_target(), False)
     rng = np.random.default_rng(n)
@@ -208,3 +208,34 @@ def test_rules_leave_other_matmuls_to_dlight(spec):
     with target:
         assert gemv.apply(_te_matmul(128, m=4), target, False) is not None
         assert gemv.apply(_te_matmul(84, m=4), target, False) is None
+
+
+def test_scheduled_kernels_run_inside_the_relax_vm(kernels):
+    """The rules' kernels keep the calling convention Relax expects (the GEMV's indices
+    narrowed to int32 included): the whole module runs in the VM on the CPU, threads serialised."""
+    from tvm import relax
+
+    from schedules.cuda import cuda_rules
+    from schedules.cuda.analysis import AnnotateSymbolicBounds
+    from schedules.cuda.verify import lower_for_scheduling, serialize_threads
+    from tvm_llm.targets import get_target
+
+    target = get_target("cuda").tvm_target()
+    mod = AnnotateSymbolicBounds()(lower_for_scheduling(Model))
+    tensor_core, _ = cuda_rules(tensorize=False, narrow=False)
+    _, gemv = cuda_rules()
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, tvm.tirx.PrimFunc) and "matmul" in gv.name_hint:
+            with target:
+                sch = tensor_core.apply(func, target, False) or gemv.apply(func, target, False)
+            mod[gv] = serialize_threads(sch.mod["main"]).with_attr("tirx.is_scheduled", True)
+    vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target({"kind": "llvm"})), tvm.cpu())
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((N, K)).astype("float16")
+    for fn, rows in (("prefill", (1, 37)), ("decode", (3, 1))):
+        x = rng.standard_normal((*rows, K)).astype("float16")
+        r = rng.standard_normal((*rows, N)).astype("float16")
+        out = vm[fn](*(tvm.runtime.tensor(a) for a in (x, w, r))).numpy().astype("float32")
+        y = (x.astype("float32") @ w.astype("float32").T).astype("float16").astype("float32")
+        ref = (_silu(y) if fn == "prefill" else y) + r.astype("float32")
+        np.testing.assert_allclose(out, ref, rtol=5e-3, atol=5e-3)

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import tvm
@@ -18,6 +19,7 @@ from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.s_tir.dlight.gpu.matmul import get_index_map, get_reduction_blocks
 
 BOUND_ATTR = "tir_var_upper_bound"
+LOG = logging.getLogger("tvm_llm.schedules")
 
 
 @dataclass
@@ -183,3 +185,15 @@ def narrow_indices(func: tirx.PrimFunc) -> tirx.PrimFunc:
             return func
     mod = tvm.IRModule({"main": func})
     return tvm.tirx.transform.ForceNarrowIndexToInt32()(mod)["main"]
+
+
+def schedule_or_none(schedule, func, *args, name: str):
+    """Run a rule's scheduling; a kernel it claimed but cannot schedule (an epilogue that does
+    not inline, say) is logged and left to the next rule instead of failing the build."""
+    try:
+        return schedule(func, *args)
+    except (RuntimeError, AssertionError, ValueError, TypeError) as err:  # TVM errors included
+        LOG.warning("%s left %s to the next rule: %s", name,
+                    func.attrs.get("global_symbol", "a kernel") if func.attrs else "a kernel",
+                    str(err).strip().splitlines()[-1][:200])
+        return None

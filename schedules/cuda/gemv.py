@@ -19,7 +19,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers, auto_inline_producers, get_index_map
 
-from .analysis import find_matmul, narrow_indices, symbolic_bound, widen_accumulator
+from .analysis import (find_matmul, narrow_indices, schedule_or_none, symbolic_bound,
+                       widen_accumulator)
 
 
 class DecodeGEMV(ScheduleRule):
@@ -61,7 +62,9 @@ class DecodeGEMV(ScheduleRule):
         found = self._analyze(func, target)
         if found is None:
             return None
-        mm, rows = found
+        return schedule_or_none(self._schedule, func, *found, name=type(self).__name__)
+
+    def _schedule(self, func, mm, rows):
         func, _ = widen_accumulator(func, mm.name)
         sch = s_tir.Schedule(func)
         main = sch.get_sblock(mm.name)

@@ -21,9 +21,10 @@ Schedule (block tile BM x BN, warps_m x warps_n warps each frags_m x frags_n 16x
 The scheduled kernel's index arithmetic is narrowed to int32 when the declared bounds allow
 (`narrow`; analysis.narrow_indices).
 
-`tensorize=False` keeps every step but the five `tensorize` calls: the blocks then compute
+`tensorize=False` keeps every step but the four `tensorize` calls: the blocks then compute
 exactly what the intrinsics' descriptions say, which the CPU tests run (serialised) to check
-the tiling, padding and layouts numerically.
+tiling, padding, predicates, accumulation and the fused epilogue numerically. The register
+layouts themselves are checked against the PTX ISA / CDNA documents in the tests.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumer_chain, auto_inline_producers, get_index_map
 
-from .analysis import find_matmul, narrow_indices, symbolic_bound, widen_accumulator
+from .analysis import (find_matmul, narrow_indices, schedule_or_none, symbolic_bound,
+                       widen_accumulator)
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,9 @@ class TensorCoreMatmul(ScheduleRule):
         mm = self._analyze(func, target)
         if mm is None:
             return None
+        return schedule_or_none(self._schedule, func, mm, name=type(self).__name__)
+
+    def _schedule(self, func, mm):
         cfg = self.config
         func, _ = widen_accumulator(func, mm.name, _accumulator_dtype(mm.a_dtype))
         sch = s_tir.Schedule(func)

@@ -74,7 +74,8 @@ def environment() -> str | None:
     from tvm_llm.targets.cuda import CUDA_ARCHS
 
     if arch not in CUDA_ARCHS:
-        nearest = max((a for a in CUDA_ARCHS if a <= arch), default="sm_80")
+        num = lambda a: int(a.removeprefix("sm_").rstrip("af"))  # noqa: E731
+        nearest = max((a for a in CUDA_ARCHS if num(a) <= num(arch)), key=num, default="sm_80")
         log(f"device arch {arch} is not one of {sorted(CUDA_ARCHS)}: building for {nearest}")
         arch = nearest
     return arch

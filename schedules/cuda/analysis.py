@@ -187,11 +187,23 @@ def narrow_indices(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return tvm.tirx.transform.ForceNarrowIndexToInt32()(mod)["main"]
 
 
+def check_thread_bound(sch: s_tir.Schedule) -> None:
+    """Raise ValueError unless every top-level block runs under a blockIdx-bound loop (a GPU
+    kernel cannot have host-side loops left over)."""
+    for block in sch.get_child_blocks(get_root_block(sch)):
+        tags = [str(sch.get(loop).thread_binding.thread_tag) for loop in sch.get_loops(block)
+                if sch.get(loop).thread_binding is not None]
+        if not any(tag.startswith("blockIdx") for tag in tags):
+            raise ValueError(f"block {sch.get(block).name_hint} is not bound to GPU threads")
+
+
 def schedule_or_none(schedule, func, *args, name: str):
     """Run a rule's scheduling; a kernel it claimed but cannot schedule (an epilogue that does
     not inline, say) is logged and left to the next rule instead of failing the build."""
     try:
-        return schedule(func, *args)
+        sch = schedule(func, *args)
+        check_thread_bound(sch)
+        return sch
     except (RuntimeError, AssertionError, ValueError, TypeError) as err:  # TVM errors included
         LOG.warning("%s left %s to the next rule: %s", name,
                     func.attrs.get("global_symbol", "a kernel") if func.attrs else "a kernel",

@@ -433,6 +433,12 @@ def prepare_matmul(func: tirx.PrimFunc, dtypes=("float32",)):
                 continue
         if not progress:
             break
+    # Inlined prologues change the block's read list: find A and B again by buffer.
+    reads = [r.source for r in sch.get(sch.get_sblock(main_name)).reads]
+    b_pos = [i for i, r in enumerate(reads) if r.same_as(pattern.b_buffer)]
+    if len(b_pos) != 1:
+        return None  # the weight itself came from a fused producer (cast, ...)
+    pattern.b_index = b_pos[0]
     rest = [b for b in root_blocks(sch) if block_name(sch, b) != main_name]
     if len(rest) > 1:
         return None

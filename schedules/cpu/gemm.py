@@ -108,10 +108,11 @@ class GEMM(ScheduleRule):
         sch, pat = prepared
         pack = False
         if pat.b_transposed:
+            # Only a function parameter can be packed at build time (SplitLayoutRewritePreproc).
+            idx = common.param_index(func, pat.b_buffer)
             if self.prepack is True:
-                pack = True
+                pack = idx >= 0
             elif self.prepack == "auto":
-                idx = common.param_index(func, pat.b_buffer)
                 pack = idx >= 0 and idx in common.layout_free_indices(func)
             if not pack:
                 return None

@@ -23,6 +23,7 @@ setup(
         "tornado",  # TVM RPC
         "ziglang",  # LLVM-22 ld.lld for ROCm code objects and cross links
     ],
-    extras_require={"test": ["pytest"]},
+    extras_require={"test": ["pytest"],
+                    "report": ["matplotlib"]},  # scripts/memory_report.py plots
     entry_points={"console_scripts": ["tvm-llm = tvm_llm.cli:main"]},
 )

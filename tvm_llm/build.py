@@ -58,7 +58,7 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
           dtype: str | None = None, force: bool = False, emit_source: bool = False,
           context_window: int | None = None, max_batch_size: int = 8,
           prefill_chunk_size: int = 512, page_size: int = 16, kv_cache_tokens: int | None = None,
-          dump_ir: str | None = None, disabled_phases=(), log=print) -> dict:
+          max_memory=None, dump_ir: str | None = None, disabled_phases=(), log=print) -> dict:
     """Compile the Hugging Face checkpoint in `model_dir` into `output_dir`; return the manifest."""
     from .frontend import import_model, load_model, read_config, tokenizer_files
     from .passes.pipeline import run_pipeline
@@ -80,6 +80,13 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
     tok_files = tokenizer_files(model_dir)
     text_cfg = config.get_text_config()
     max_pos = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
+    from .memory import kv_budget, planner
+
+    # the memory plan needs what the user asked for, before defaults fill it in
+    asked = {"context_window": context_window, "kv_cache_tokens": kv_cache_tokens}
+    budget = None if max_memory is None else kv_budget.parse_budget(
+        max_memory, lambda: kv_budget.device_memory_bytes(spec.device_type))
+    planner.check_options(budget, kv_cache_tokens)
     if context_window is None:
         context_window = min(max_pos or 2048, 2048)
     if max_pos and context_window > max_pos:
@@ -89,6 +96,8 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
 
     log(f"[tvm-llm] loading {model_dir} ({config.model_type}, {dtype})")
     model = load_model(model_dir, config, dtype)
+    planner.check_weights_fit(budget, sum(p.numel() for p in model.parameters())
+                              * kv_budget.dtype_bytes(dtype), spec.device_type)
     log("[tvm-llm] tracing with torch.export and importing into Relax")
     t0 = time.perf_counter()
     imported = import_model(model, dtype=dtype, context_window=context_window,
@@ -102,6 +111,18 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
     mod, report = run_pipeline(imported.mod, spec, dump_dir=dump_ir,
                                disabled=frozenset(disabled_phases))
     import tvm
+
+    attn = imported.attention
+    memory = planner.plan_memory(
+        mod, vocab_size=imported.vocab_size, num_layers=attn.num_layers, num_heads=attn.num_heads,
+        num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, v_head_dim=attn.v_head_dim,
+        dtype=dtype, device_type=spec.device_type, budget=budget, max_batch_size=max_batch_size,
+        prefill_chunk_size=prefill_chunk_size, page_size=page_size,
+        max_position_embeddings=max_pos, **asked)
+    from .report import format_memory
+
+    log(format_memory(memory.to_dict()))
+    context_window, kv_cache_tokens = memory.context_window, memory.kv.max_total_seq_len
 
     with tvm.transform.PassContext(opt_level=3, config=spec.pass_context_config()):
         executable = tvm.compile(mod, target=tvm_target, relax_pipeline=None,
@@ -131,6 +152,7 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
                          "max_total_seq_len": kv_cache_tokens,
                          "prefill_chunk_size": prefill_chunk_size,
                          "context_window": context_window},
+            "memory": memory.to_dict(),
             "tokenizer": _tokenizer_info(model_dir, config),
             "params": table,
             "report": {"phases": report, "import_seconds": round(t_import, 2),

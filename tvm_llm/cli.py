@@ -16,7 +16,23 @@ def _build(args) -> None:
     build(args.model_dir, args.output, target=args.target, arch=args.arch, dtype=args.dtype,
           force=args.force, emit_source=args.emit_source, context_window=args.context_window,
           max_batch_size=args.max_batch_size, prefill_chunk_size=args.prefill_chunk_size,
-          page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens, dump_ir=args.dump_ir)
+          page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens,
+          max_memory=args.max_memory, dump_ir=args.dump_ir)
+
+
+def _plan(args) -> None:
+    import json
+
+    from .memory import plan_checkpoint
+    from .report import format_memory
+
+    plan = plan_checkpoint(args.model_dir, target=args.target, arch=args.arch, dtype=args.dtype,
+                           max_memory=args.max_memory, context_window=args.context_window,
+                           max_batch_size=args.max_batch_size,
+                           prefill_chunk_size=args.prefill_chunk_size, page_size=args.page_size,
+                           kv_cache_tokens=args.kv_cache_tokens,
+                           log=(lambda *a: print(*a, file=sys.stderr)))
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_memory(plan.to_dict()))
 
 
 def _generate(args) -> None:
@@ -69,6 +85,11 @@ def _positive_int(text: str) -> int:
     return value
 
 
+_MAX_MEMORY_HELP = ("memory budget for the running model: a size (4GB = 4e9 bytes, 4GiB or 4G = "
+                    "4*2^30) or a fraction of the device memory (0.5, 50%%); the KV cache gets "
+                    "what weights, activations and the runtime leave")
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tvm-llm", description=(
         "Compile a Hugging Face causal LM checkpoint into a native TVM module and run it."))
@@ -95,7 +116,26 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--page-size", type=_positive_int, default=16, help="KV cache page size in tokens")
     b.add_argument("--kv-cache-tokens", type=_positive_int, default=None,
                    help="KV cache capacity in tokens, all sequences together")
+    b.add_argument("--max-memory", default=None, metavar="SIZE", help=_MAX_MEMORY_HELP)
     b.set_defaults(func=_build)
+
+    pl = sub.add_parser("plan", help="print the memory plan of a checkpoint without compiling",
+                        description="Import MODEL_DIR and run the Relax passes up to TVM's static "
+                                    "memory plan (no kernel is compiled), then print weights, "
+                                    "activations, KV pages and what fits in --max-memory.")
+    pl.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face checkpoint directory")
+    pl.add_argument("--max-memory", default=None, metavar="SIZE", help=_MAX_MEMORY_HELP)
+    for flag in ("--target", "--arch", "--dtype"):
+        pl.add_argument(flag, default="llvm" if flag == "--target" else None)
+    pl.add_argument("--context-window", type=_positive_int, default=None,
+                    help="sequence length to plan for (default: min(max_position_embeddings, 2048), "
+                         "bounded by --max-memory)")
+    pl.add_argument("--max-batch-size", type=_positive_int, default=8)
+    pl.add_argument("--prefill-chunk-size", type=_positive_int, default=512)
+    pl.add_argument("--page-size", type=_positive_int, default=16)
+    pl.add_argument("--kv-cache-tokens", type=_positive_int, default=None)
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(func=_plan)
 
     g = sub.add_parser("generate", help="generate text with a built output directory")
     g.add_argument("output_dir", metavar="OUT", help="directory written by `tvm-llm build`")

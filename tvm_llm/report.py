@@ -21,6 +21,8 @@ def format_manifest(m: dict) -> str:
         f"context {kv['context_window']}",
         f"built by   tvm_llm {m['tvm_llm_version']}",
     ]
+    if m.get("memory"):
+        lines.append(format_memory(m["memory"]))
     rep = m.get("report") or {}
     if rep.get("phases"):
         lines.append("build report (phase: seconds, relax calls after it)")
@@ -28,4 +30,55 @@ def format_manifest(m: dict) -> str:
             mark = " (skipped)" if ph.get("skipped") else ""
             lines.append(f"  {ph['phase']:<15} {ph['seconds']:>8.2f}s {ph['relax_calls']:>6}{mark}")
         lines.append(f"  import {rep.get('import_seconds')}s, compile {rep.get('compile_seconds')}s")
+    return "\n".join(lines)
+
+def _size(n: float) -> str:
+    from .memory.kv_budget import fmt_bytes
+
+    return fmt_bytes(n)
+
+
+def format_memory(mem: dict) -> str:
+    """The memory plan (a manifest's "memory" section), as build, plan and inspect print it."""
+    kv, w, acts, lg = mem["kv_cache"], mem["weights"], mem["activations"], mem["logits"]
+    budget = mem.get("budget")
+    if budget:
+        head = f"budget --max-memory {budget['spec']} = {_size(budget['bytes'])}"
+        if budget.get("fraction") is not None:
+            head += f" ({budget['fraction']:g} of {_size(budget['device_bytes'])})"
+    else:
+        head = "no --max-memory: KV pool from --kv-cache-tokens, default max(context, 4096)"
+    funcs = acts.get("functions", {})
+
+    def bounds(name, unit):
+        f = funcs.get(name) or {}
+        b = max((f.get("bounds") or {}).values(), default=None)
+        return f"{name} {_size(f.get('bytes', 0))}" + (f" (<= {b} {unit})" if b else "")
+
+    lines = [
+        f"memory plan ({mem['device_type']}; {head})",
+        f"  weights          {_size(w['bytes']):>11}  "
+        + ", ".join(f"{d} {_size(n)}" for d, n in sorted(w["by_dtype"].items()))
+        + f"; {w['tensors']} tensors",
+        f"  activations      {_size(acts['bytes']):>11}  static plan: {bounds('prefill', 'tokens')}, "
+        f"{bounds('decode', 'sequences')}; both stay in TVM's pooled allocator",
+        f"  logits           {_size(lg['bytes']):>11}  1..{lg['rows']} rows x {lg['vocab_size']} "
+        f"{lg['dtype']}, one pooled buffer per row count (outside the static plan)",
+        f"  kv cache         {_size(kv['bytes']):>11}  {kv['pages']} pages x {kv['page_size']} tokens "
+        f"x {_size(kv['bytes_per_token'])}/token ({kv['dtype']}) = {kv['tokens']} tokens",
+        f"  kv workspace     {_size(kv['workspace_bytes']):>11}  staging for one prefill chunk, page tables",
+        f"  runtime reserve  {_size(mem['runtime_reserve_bytes']):>11}  Python + TVM runtime + model code",
+        f"  total            {_size(mem['total_bytes']):>11}"
+        + (f"  of {_size(budget['bytes'])}" if budget else ""),
+    ]
+    fits = mem.get("sequences_that_fit") or {}
+    ctx = mem["context_window"]
+    lines.append(f"  context window   {ctx} tokens ({mem['context_source']}); "
+                 f"{fits.get(str(ctx), 0)} sequences of {ctx} tokens fit in the pool, "
+                 f"{mem['concurrent_sequences']} at once (max batch {mem['max_batch_size']})")
+    for c, n in fits.items():
+        if int(c) != ctx:
+            lines.append(f"                   {n} sequences of {c} tokens fit")
+    for note in mem.get("notes") or []:
+        lines.append(f"  note: {note}")
     return "\n".join(lines)

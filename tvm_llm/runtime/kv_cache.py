@@ -3,12 +3,21 @@
 A thin, explicit wrapper over TVM's runtime KV-state functions: sequences are added, forked
 (sharing their parent's pages), stepped (begin/end forward around each model call) and removed
 (their pages return to the pool).
+
+Page accounting is checked here, before TVM is called, and exactly: when TVM's runtime runs
+out of pages inside `kv_state_begin_forward` or `kv_state_fork_sequence` it raises only after
+it has already grown the sequences and taken pages (the cache is left inconsistent), so that
+must never be reached. A sequence of n tokens owns ceil(n / page_size) pages of its last block
+(blocks before it are whole pages, shared after a fork); a fork at a length that is not a
+page multiple copies the parent's partial last page into one new page.
 """
 from __future__ import annotations
 
 
 class PagePoolFull(RuntimeError):
-    """The pool has no free page for the requested tokens."""
+    """The pool has no free page (or no sequence slot) for the request; nothing was changed."""
+
+_GROW = "build with a larger --max-memory (or --kv-cache-tokens)"
 
 
 class PagedKVCache:
@@ -38,9 +47,7 @@ class PagedKVCache:
         return int(self._f["attention_kv_cache_get_num_available_pages"](self.handle))
 
     def add(self) -> int:
-        if len(self.sequences) >= self.max_batch_size:
-            raise PagePoolFull(f"the KV cache holds at most {self.max_batch_size} sequences; "
-                               "finish or remove one first")
+        self._check_slot()
         sid = self._new_id()
         self._f["kv_state_add_sequence"](self.handle, sid)
         self.sequences[sid] = 0
@@ -48,6 +55,13 @@ class PagedKVCache:
 
     def fork(self, parent: int) -> int:
         """A new sequence sharing all of `parent`'s tokens (and pages) so far."""
+        if parent not in self.sequences:
+            raise ValueError(f"fork: no sequence {parent} in the KV cache")
+        self._check_slot()
+        need = self.fork_pages(parent)
+        if need > self.free_pages():
+            raise PagePoolFull(f"KV cache full: forking sequence {parent} needs {need} page, 0 free "
+                               f"of {self.total_pages}; finish some sequences or {_GROW}")
         sid = self._new_id()
         self._f["kv_state_fork_sequence"](self.handle, parent, sid, -1)
         self.sequences[sid] = self.sequences[parent]
@@ -57,6 +71,18 @@ class PagedKVCache:
         self._f["kv_state_remove_sequence"](self.handle, sid)
         del self.sequences[sid]
 
+    def fork_pages(self, parent: int) -> int:
+        """Pages a fork of `parent` takes: its partial last page is copied for the child."""
+        return 1 if self.sequences[parent] % self.page_size else 0
+
+    def used_pages(self) -> int:
+        return self.total_pages - self.free_pages()
+
+    def _check_slot(self) -> None:
+        if len(self.sequences) >= self.max_batch_size:
+            raise PagePoolFull(f"the KV cache holds at most {self.max_batch_size} sequences "
+                               "(--max-batch-size); finish or remove one first")
+
     def pages_needed(self, seq_ids: list, lengths: list) -> int:
         need = 0
         for sid, n in zip(seq_ids, lengths):
@@ -65,11 +91,15 @@ class PagedKVCache:
         return need
 
     def begin(self, seq_ids: list, lengths: list) -> None:
+        if len(set(seq_ids)) != len(seq_ids) or any(s not in self.sequences for s in seq_ids):
+            raise ValueError(f"begin: unknown or repeated sequence ids {list(seq_ids)}")
+        if any(int(n) < 1 for n in lengths):
+            raise ValueError(f"begin: every sequence must append at least one token, got {list(lengths)}")
         need = self.pages_needed(seq_ids, lengths)
         if need > self.free_pages():
             raise PagePoolFull(f"KV cache full: {need} more pages needed, {self.free_pages()} free "
                                f"of {self.total_pages} (page size {self.page_size}); finish some "
-                               "sequences or build with a larger --kv-cache-tokens")
+                               f"sequences or {_GROW}")
         self._f["kv_state_begin_forward"](self.handle, self._shape(seq_ids), self._shape(lengths))
         for sid, n in zip(seq_ids, lengths):
             self.sequences[sid] += n

@@ -122,19 +122,20 @@ def kernels_per_call(mod, func_name: str) -> int:
 def run_pipeline(mod, target_spec, dump_dir: str | None = None,
                  disabled: frozenset = frozenset(), tuning_log: str | None = None,
                  stop_after: str | None = None):
-    """Apply every phase; return (module, weight transform module or None, report).
+    """Apply every phase; return (module, weight transforms, report).
     `tuning_log`: a MetaSchedule log directory applied first in "scheduling" (its report goes
     in that phase's entry, key "tuning"); `stop_after`: a phase name to stop after (the
     tuner extracts kernels after "lowering").
 
-    After the folding phase the lifted weight transform is taken out of the module: the build
-    runs it once on the host (fold_weights.apply_weight_transform)."""
+    After the folding phase (weight-only graph work) and the scheduling phase (weight packing
+    chosen by the schedule rules) the lifted weight transform is taken out of the module: the
+    build runs each, in order, once on the host (fold_weights.apply_weight_transform)."""
     import tvm
 
     from .fold_weights import split_weight_transform
 
     report = []
-    weight_transform = None
+    weight_transforms = []
     target = target_spec.tvm_target()
     tuning: dict = {}
     calls_before = sum(count_ops(mod).values())
@@ -147,8 +148,10 @@ def run_pipeline(mod, target_spec, dump_dir: str | None = None,
                 mod = p(mod)
                 key = p.info.name
                 pass_seconds[key] = round(pass_seconds.get(key, 0) + time.perf_counter() - t_pass, 3)
-            if name == "folding":
-                mod, weight_transform = split_weight_transform(mod)
+            if name in ("folding", "scheduling"):
+                mod, transform = split_weight_transform(mod)
+                if transform is not None:
+                    weight_transforms.append(transform)
             seconds = time.perf_counter() - t0
             ops = count_ops(mod)
             report.append({"phase": name, "seconds": round(seconds, 3),
@@ -162,9 +165,9 @@ def run_pipeline(mod, target_spec, dump_dir: str | None = None,
                 with open(os.path.join(dump_dir, f"{i}_{name}.py"), "w") as f:
                     f.write(mod.script(show_meta=False))
             if name == stop_after:
-                return mod, weight_transform, report
+                return mod, weight_transforms, report
     report.append({"phase": "total", "seconds": round(sum(r["seconds"] for r in report), 3),
                    "relax_calls": report[-1]["relax_calls"], "skipped": False,
                    "decode_kernels": kernels_per_call(mod, "decode"),
                    "prefill_kernels": kernels_per_call(mod, "prefill")})
-    return mod, weight_transform, report
+    return mod, weight_transforms, report

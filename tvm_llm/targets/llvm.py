@@ -64,6 +64,9 @@ class LLVMTarget(TargetSpec):
         return f"cpu-{arch}-{self.vector_isa()}"
 
     def schedule_passes(self) -> list:
+        """Our CPU rules over row-major weights. (The GEMM rule can also use weights packed at
+        build time — schedules/cpu/prepack.py — but TVM's SplitLayoutRewritePreproc fails on
+        one of the imported model's kernels, so the build does not enable packing yet.)"""
         from schedules.cpu import cpu_schedule_pass
 
         return [cpu_schedule_pass(self)]

@@ -58,8 +58,11 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
           dtype: str | None = None, force: bool = False, emit_source: bool = False,
           context_window: int | None = None, max_batch_size: int = 8,
           prefill_chunk_size: int = 512, page_size: int = 16, kv_cache_tokens: int | None = None,
-          max_memory=None, dump_ir: str | None = None, disabled_phases=(), log=print) -> dict:
-    """Compile the Hugging Face checkpoint in `model_dir` into `output_dir`; return the manifest."""
+          max_memory=None, dump_ir: str | None = None, disabled_phases=(), log=print,
+          tuning_log: str | None = None) -> dict:
+    """Compile the Hugging Face checkpoint in `model_dir` into `output_dir`; return the manifest.
+    `tuning_log`: a MetaSchedule log directory (tvm-llm tune) whose kernels replace our
+    default schedules; bad or foreign records are warned about and skipped."""
     from .frontend import import_model, load_model, read_config, tokenizer_files
     from .passes.pipeline import run_pipeline
     from .targets import get_target
@@ -108,9 +111,23 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
 
     log(f"[tvm-llm] compiling for {spec.name} ({spec.hw_key()})")
     t0 = time.perf_counter()
-    mod, report = run_pipeline(imported.mod, spec, dump_dir=dump_ir,
-                               disabled=frozenset(disabled_phases))
+    mod, weight_transforms, report = run_pipeline(imported.mod, spec, dump_dir=dump_ir,
+                                                 disabled=frozenset(disabled_phases),
+                                                 tuning_log=tuning_log)
+    tuning = next((ph.pop("tuning") for ph in report if "tuning" in ph), None)
+    if tuning is not None:
+        from .report import format_tuning
+
+        log(format_tuning(tuning))
     import tvm
+
+    from .passes.fold_weights import apply_weight_transform, weight_param_names
+
+    weights = imported.params
+    for transform in weight_transforms:  # folded graph work, then packing for the kernels
+        weights = apply_weight_transform(transform, weights)
+    names = (weight_param_names(mod, imported.relax_names) if weight_transforms
+             else imported.param_names)
 
     attn = imported.attention
     memory = planner.plan_memory(
@@ -132,8 +149,7 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
     tmp = tempfile.mkdtemp(prefix=".tvm-llm-build-", dir=os.path.dirname(output_dir))
     try:
         spec.export_library(executable, os.path.join(tmp, artifact.LIBRARY))
-        table = artifact.save_weights(os.path.join(tmp, artifact.WEIGHTS), imported.param_names,
-                                      imported.params)
+        table = artifact.save_weights(os.path.join(tmp, artifact.WEIGHTS), names, weights)
         for name in tok_files:
             shutil.copy(os.path.join(model_dir, name), os.path.join(tmp, name))
         sources = spec.emit_source(executable, os.path.join(tmp, "source")) if emit_source else []
@@ -156,7 +172,8 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
             "tokenizer": _tokenizer_info(model_dir, config),
             "params": table,
             "report": {"phases": report, "import_seconds": round(t_import, 2),
-                       "compile_seconds": round(t_compile, 2)},
+                       "compile_seconds": round(t_compile, 2),
+                       **({"tuning": tuning} if tuning is not None else {})},
             "sources": [os.path.relpath(p, tmp) for p in sources],
         }
         artifact.write_manifest(os.path.join(tmp, artifact.MANIFEST), manifest)

@@ -25,12 +25,37 @@ def format_manifest(m: dict) -> str:
         lines.append(format_memory(m["memory"]))
     rep = m.get("report") or {}
     if rep.get("phases"):
-        lines.append("build report (phase: seconds, relax calls after it)")
+        lines.append("build report (phase: seconds, relax calls before -> after; slowest passes)")
         for ph in rep["phases"]:
             mark = " (skipped)" if ph.get("skipped") else ""
-            lines.append(f"  {ph['phase']:<15} {ph['seconds']:>8.2f}s {ph['relax_calls']:>6}{mark}")
+            before = ph.get("relax_calls_before", ph["relax_calls"])
+            lines.append(f"  {ph['phase']:<15} {ph['seconds']:>8.2f}s {before:>6} -> "
+                         f"{ph['relax_calls']:<6}{mark}")
+            slow = sorted((ph.get("passes") or {}).items(), key=lambda kv: -kv[1])[:3]
+            if slow and ph["seconds"] > 0.05:
+                lines.append("      " + ", ".join(f"{k} {v:.2f}s" for k, v in slow))
+            if "decode_kernels" in ph:
+                lines.append(f"  kernels per call: decode {ph['decode_kernels']}, "
+                             f"prefill {ph['prefill_kernels']}")
         lines.append(f"  import {rep.get('import_seconds')}s, compile {rep.get('compile_seconds')}s")
+    if rep.get("tuning"):
+        lines.append(format_tuning(rep["tuning"]))
     return "\n".join(lines)
+
+
+def format_tuning(t: dict) -> str:
+    """Which kernels came from the tuning log (a manifest's report "tuning" section)."""
+    kernels = t.get("kernels") or []
+    lines = [f"tuning log {t.get('log')} [{t.get('hw_key')}]: {t.get('records', 0)} records, "
+             f"{len(kernels)} kernels from the log, the others from our schedule rules"
+             + (f"; {len(t['warnings'])} warning(s)" if t.get("warnings") else "")]
+    for b in t.get("buckets") or []:
+        lines.append(f"  bucket {b['bucket']:<16} -> {b['function']} ({b['kernels']} tuned kernels)")
+    for k in kernels:
+        ms = f"{k['tuned_ms']:.4f} ms" if k.get("tuned_ms") is not None else "-"
+        lines.append(f"  {k['kernel'][:72]:<72} {ms:>12}  {k.get('bucket') or ''}")
+    return "\n".join(lines)
+
 
 def _size(n: float) -> str:
     from .memory.kv_budget import fmt_bytes

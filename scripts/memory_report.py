@@ -108,7 +108,8 @@ def plot(samples, convs, args, bpt, path):
     ax.plot(steps, paged, color="#2471a3", lw=1.6, label=f"paged: pages held ({args.page_size} tokens each)")
     ax.plot(steps, exact, color="#222222", lw=0.7, ls=":",
             label="tokens actually stored (pages waste < 1 page per conversation)")
-    ax.set_xlabel("serving step (prefill chunk or 8 decode tokens per active conversation)")
+    ax.set_xlabel(f"serving step (one token per decoding conversation; prompts share a "
+                  f"{args.prefill_chunk}-token chunk)")
     ax.set_ylabel("KV cache memory (GiB)")
     ax.set_title(f"{len(convs)} conversations, {args.concurrency} at a time ({args.shape}, fp32)")
     ax.set_ylim(0, max(contiguous) * 1.3)
@@ -144,8 +145,8 @@ def main(argv=None):
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--prefill-chunk", type=int, default=512)
-    p.add_argument("--decode-chunk", type=int, default=8, help="decode tokens per step (page "
-                   "accounting only; 1 gives the same pages, more slowly)")
+    p.add_argument("--decode-chunk", type=int, default=1, help="decode tokens per step (page "
+                   "accounting only: larger values replay faster, coarser in time)")
     p.add_argument("--shape", default="llama-110m", choices=sorted(SHAPE_KV))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="a built tiny model (default: build one, cached)")

@@ -195,3 +195,16 @@ def test_full_pool_preempts_the_youngest_and_results_match(out):
     assert together == alone
     assert eng.preemptions > 0
     assert eng.cache.free_pages() == eng.cache.total_pages
+
+
+def test_why_the_python_check_must_be_exact(out):
+    """What TVM itself does past capacity: kv_state_begin_forward raises only after growing the
+    sequence and taking every free page, so the cache is left inconsistent (no abort, but no
+    recovery either). This engine is thrown away afterwards."""
+    eng = small_engine(out, 64)
+    cache = eng.cache
+    sid = cache.add()
+    with pytest.raises(Exception, match="The KV cache is full"):
+        cache._f["kv_state_begin_forward"](cache.handle, cache._shape([sid]), cache._shape([200]))
+    assert cache.free_pages() == 0  # pages taken for a forward that never happened
+    assert int(cache._f["attention_kv_cache_get_total_sequence_length"](cache.handle)) == 200

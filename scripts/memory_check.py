@@ -157,7 +157,8 @@ def main(argv=None):
     print(f"baseline (interpreter + numpy + TVM runtime, subtracted): {fmt_bytes(baseline)}")
     print(f"after loading:  {fmt_bytes(loaded)} resident (plan: weights {fmt_bytes(plan_weights)}); "
           f"peak while loading {fmt_bytes(load_peak)}")
-    print(f"processed {tokens} tokens (prompts + generated) in {seconds:.0f}s, KV pages in use at peak: {pages} of "
+    print(f"processed {tokens} tokens (prompts + generated) in {seconds:.0f}s, KV pages in use "
+          f"at peak: {pages} of "
           f"{engine.cache.total_pages}")
     print(f"plan (weights + activations + logits + KV pool + KV workspace): {fmt_bytes(plan)}")
     print(f"measured RSS - baseline: {fmt_bytes(measured)} ({measured / plan - 1:+.1%} vs plan); "

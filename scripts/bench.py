@@ -81,11 +81,11 @@ class TransformersRunner:
             t0 = time.perf_counter()
             out = self.model(ids, use_cache=True)
             t1 = time.perf_counter()
-            cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            cache, tok = out.cache, out.logits[:, -1:].argmax(-1)
             t2 = time.perf_counter()
             for _ in range(gen_len):
-                out = self.model(tok, past_key_values=cache, use_cache=True)
-                cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                out = self.model(tok, cache=cache, use_cache=True)
+                cache, tok = out.cache, out.logits[:, -1:].argmax(-1)
             t3 = time.perf_counter()
         return t1 - t0, t3 - t2
 
@@ -128,6 +128,48 @@ def measure(runners, prompt_len, gen_len, repeats, warmup=1):
                    "decode_tok_s": statistics.median(s[1] for s in v)} for name, v in samples.items()}
 
 
+def machine_limits(threads: int) -> dict:
+    """Measured read bandwidth (GB/s, a 256 MB reduction) and fp32 sgemm (GFLOP/s, 2048^3),
+    both with torch at `threads` threads, best of 5."""
+    import torch
+
+    torch.set_num_threads(threads)
+    big = torch.ones(64 * 2**20, dtype=torch.float32)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    bw, flops = 0.0, 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        big.sum()
+        bw = max(bw, big.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+        t0 = time.perf_counter()
+        a @ b
+        flops = max(flops, 2 * 2048**3 / (time.perf_counter() - t0) / 1e9)
+    return {"read_GB_s": bw, "sgemm_GFLOP_s": flops}
+
+
+def model_costs(shape: str, context: int) -> dict:
+    """Bytes read per decode token (every weight but the embedding table, plus the KV cache
+    at `context` tokens) and FLOPs per prefill token (2 per weight multiply-add)."""
+    s = SHAPES[shape]
+    h, L, i, v = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"], s["vocab_size"]
+    hd = h // s["num_attention_heads"]
+    kv = s["num_key_value_heads"] * hd
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h
+    matmul_params = L * per_layer + h * v + h
+    kv_bytes = 2 * L * kv * 4 * context
+    return {"decode_bytes": matmul_params * 4 + kv_bytes, "prefill_flops": 2 * matmul_params}
+
+
+def print_limits(results, limits, costs):
+    print(f"# machine: read {limits['read_GB_s']:.1f} GB/s, sgemm {limits['sgemm_GFLOP_s']:.0f} "
+          f"GFLOP/s; roofline decode {limits['read_GB_s'] * 1e9 / costs['decode_bytes']:.1f} tok/s, "
+          f"prefill {limits['sgemm_GFLOP_s'] * 1e9 / costs['prefill_flops']:.0f} tok/s")
+    for name, r in results.items():
+        dec = r["decode_tok_s"] * costs["decode_bytes"] / 1e9 / limits["read_GB_s"]
+        pre = r["prefill_tok_s"] * costs["prefill_flops"] / 1e9 / limits["sgemm_GFLOP_s"]
+        print(f"  {name:<26} decode {dec:.2f} of bandwidth, prefill {pre:.2f} of sgemm peak")
+
+
 def print_table(results, reference="transformers eager"):
     ref = results.get(reference)
     print(f"{'system':<28}{'prefill tok/s':>15}{'decode tok/s':>15}{'prefill x':>11}{'decode x':>10}")
@@ -165,9 +207,11 @@ def main(argv=None):
           f"{args.threads} threads, median of {args.repeats}", flush=True)
     results = measure(runners, args.prompt_len, args.gen_len, args.repeats)
     print_table(results)
+    limits = machine_limits(args.threads)
+    print_limits(results, limits, model_costs(args.shape, args.prompt_len + args.gen_len // 2))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=2)
+            json.dump({"args": vars(args), "results": results, "machine": limits}, f, indent=2)
     return 0
 
 

@@ -17,7 +17,18 @@ def _build(args) -> None:
           force=args.force, emit_source=args.emit_source, context_window=args.context_window,
           max_batch_size=args.max_batch_size, prefill_chunk_size=args.prefill_chunk_size,
           page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens,
-          max_memory=args.max_memory, dump_ir=args.dump_ir)
+          max_memory=args.max_memory, dump_ir=args.dump_ir, tuning_log=args.tuning_log)
+
+
+def _tune(args) -> None:
+    from .tune import tune
+
+    tune(args.model_dir, target=args.target, arch=args.arch, trials=args.trials,
+         log_dir=args.log_dir, buckets=args.bucket, kernels=args.kernels,
+         rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key, dtype=args.dtype,
+         context_window=args.context_window, max_batch_size=args.max_batch_size,
+         prefill_chunk_size=args.prefill_chunk_size, trials_per_batch=args.trials_per_batch,
+         compare_generic=not args.no_rules_baseline, log=lambda *a: print(*a, flush=True))
 
 
 def _plan(args) -> None:
@@ -117,7 +128,41 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--kv-cache-tokens", type=_positive_int, default=None,
                    help="KV cache capacity in tokens, all sequences together")
     b.add_argument("--max-memory", default=None, metavar="SIZE", help=_MAX_MEMORY_HELP)
+    b.add_argument("--tuning-log", default=None, metavar="DIR",
+                   help="apply a `tvm-llm tune` log (DIR or DIR/<hw-key>); kernels without a "
+                        "record keep our default schedules")
     b.set_defaults(func=_build)
+
+    t = sub.add_parser("tune", help="tune the model's kernels with MetaSchedule into a log",
+                       description="Tune MODEL_DIR's kernels (after our fusion pipeline, at static "
+                                   "shape buckets) with MetaSchedule and the XGBoost cost model; "
+                                   "records are appended to LOG_DIR as they are measured, so an "
+                                   "interrupted run resumes where it stopped.")
+    t.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face checkpoint directory")
+    t.add_argument("--target", default="llvm")
+    t.add_argument("--arch", default=None)
+    t.add_argument("--dtype", default=None)
+    t.add_argument("--trials", type=_positive_int, default=32,
+                   help="measured trials per kernel (default 32), counting those already in the log")
+    t.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="MetaSchedule JSON database directory (default autotune_logs/<hw-key>)")
+    t.add_argument("--bucket", action="append", metavar="FUNC:VAR=N",
+                   help="static shape to tune, e.g. decode:b=1, prefill:n=128 (repeatable; "
+                        "default decode:b=1, decode:b=4, prefill:n=32, prefill:n=128, prefill:n=512)")
+    t.add_argument("--kernels", action="append", metavar="SUBSTR",
+                   help="only kernels whose name contains SUBSTR (repeatable)")
+    t.add_argument("--rpc-tracker", default=None, metavar="HOST:PORT",
+                   help="measure on TVM RPC servers registered at this tracker")
+    t.add_argument("--rpc-key", default=None, metavar="KEY", help="the RPC servers' key")
+    t.add_argument("--trials-per-batch", type=_positive_int, default=16,
+                   help="candidates built and measured per search round (default 16)")
+    t.add_argument("--no-rules-baseline", action="store_true",
+                   help="do not measure our rules' kernel at each size (the build then uses every "
+                        "tuned kernel, even one slower than our rules)")
+    t.add_argument("--context-window", type=_positive_int, default=None)
+    t.add_argument("--max-batch-size", type=_positive_int, default=8)
+    t.add_argument("--prefill-chunk-size", type=_positive_int, default=512)
+    t.set_defaults(func=_tune)
 
     pl = sub.add_parser("plan", help="print the memory plan of a checkpoint without compiling",
                         description="Import MODEL_DIR and run the Relax passes up to TVM's static "
@@ -163,8 +208,27 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _show_tuning_warnings() -> None:
+    """Tuning-log warnings as one plain line each (file and line are in the message)."""
+    import warnings
+
+    shown = warnings.showwarning
+    if getattr(shown, "tvm_llm", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if category.__name__ == "TuningLogWarning":
+            print(f"tvm-llm: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    show.tvm_llm = True
+    warnings.showwarning = show
+
+
 def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
+    _show_tuning_warnings()
     try:
         args.func(args)
     except UserError as e:

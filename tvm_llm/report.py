@@ -48,6 +48,7 @@ def format_tuning(t: dict) -> str:
     kernels = t.get("kernels") or []
     lines = [f"tuning log {t.get('log')} [{t.get('hw_key')}]: {t.get('records', 0)} records, "
              f"{len(kernels)} kernels from the log, the others from our schedule rules"
+             + (f" ({t['generic_kept']} tuned kernels lost to them)" if t.get("generic_kept") else "")
              + (f"; {len(t['warnings'])} warning(s)" if t.get("warnings") else "")]
     for b in t.get("buckets") or []:
         lines.append(f"  bucket {b['bucket']:<16} -> {b['function']} ({b['kernels']} tuned kernels)")

@@ -1,0 +1,204 @@
+"""Tuning logs: MetaSchedule's JSON format, tolerant reading, locked concurrent appends, and
+the build-side apply (with records made by hand: no tuning run needed)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from toy import Toy
+from tvm_llm.targets import get_target
+from tvm_llm.tune.apply import TuningLogWarning, apply_tuning_log, normalize
+from tvm_llm.tune.buckets import parse_buckets, specialize_buckets
+from tvm_llm.tune.log import (RECORD_FILE, WORKLOAD_FILE, hw_key_of, make_tuning_log,
+                              read_log)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SPEC = get_target("llvm")
+HW = SPEC.hw_key()
+
+
+def static_kernels(sizes=(1, 2, 3)):
+    """Static copies of the toy matmul, one per batch size: distinct workloads."""
+    mod, _ = specialize_buckets(Toy, parse_buckets([f"decode:b={b}" for b in sizes]))
+    return [mod[f"nt_matmul__b{b}"] for b in sizes]
+
+
+def record(prim, secs=1e-4, target=None):
+    """A tuning record with a small hand-made schedule (split the output columns by 8)."""
+    from tvm.s_tir import Schedule
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+    from tvm.s_tir.meta_schedule.database import TuningRecord, Workload
+
+    wl_mod = normalize(prim)
+    sch = Schedule(wl_mod)
+    _, j, _ = sch.get_loops(sch.get_sblock("mm"))
+    sch.split(j, [None, 8])  # MetaSchedule ignores records whose trace does nothing
+    return TuningRecord(sch.trace, Workload(wl_mod), [secs], target or SPEC.tvm_target(),
+                        ArgInfo.from_prim_func(wl_mod["main"]))
+
+
+def commit(db, rec):
+    db.commit_workload(rec.workload.mod)
+    db.commit_tuning_record(rec)
+
+
+def test_appended_log_reads_back_and_is_metaschedule_format(tmp_path):
+    d = str(tmp_path / "log")
+    k1, k2, _ = static_kernels()
+    db = make_tuning_log(d, HW)
+    for secs in (3e-4, 1e-4, 2e-4):
+        commit(db, record(k1, secs))
+    commit(db, record(k2, 1e10))  # a failed measurement: counted, never applied
+    warnings = []
+    mem, n = read_log(d, HW, warnings.append)
+    assert (n, warnings) == (3, [])
+    assert make_tuning_log(d, HW).count(normalize(k1)) == 3  # what resume counts
+    assert make_tuning_log(d, HW).count(normalize(k2)) == 1
+    from tvm.s_tir.meta_schedule.database import JSONDatabase
+
+    ms_db = JSONDatabase(work_dir=d, allow_missing=False)  # MetaSchedule reads our files
+    assert len(ms_db.get_all_tuning_records()) == 4
+    best = ms_db.get_top_k(ms_db.commit_workload(normalize(k1)), 1)[0]
+    assert float(best.run_secs[0]) == pytest.approx(1e-4)
+
+
+def test_bad_lines_are_named_and_skipped(tmp_path):
+    d = str(tmp_path / "log")
+    k1, k2, _ = static_kernels()
+    db = make_tuning_log(d, HW)
+    commit(db, record(k1))
+    commit(db, record(k2))
+    foreign = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]})
+    rec_path = os.path.join(d, RECORD_FILE)
+    lines = open(rec_path).read().splitlines()
+    other = json.loads(lines[0])
+    other[1] = record(k1, target=foreign).as_json()
+    with open(rec_path, "a") as f:
+        f.write("this is not json\n")  # line 3
+        f.write(json.dumps([99, json.loads(lines[0])[1]]) + "\n")  # line 4: no such workload
+        f.write(json.dumps(other) + "\n")  # line 5: tuned for another hardware key
+        f.write(lines[1][: len(lines[1]) // 2])  # line 6: truncated by a killed writer
+    warnings = []
+    _, n = read_log(d, HW, warnings.append)
+    assert n == 2
+    text = "\n".join(warnings)
+    assert f"{rec_path}:3: corrupt or truncated record" in text
+    assert f"{rec_path}:4: record names workload line 100" in text
+    assert f"(line 5) were tuned for cpu-aarch64-neon, not {HW}" in text
+    assert f"{rec_path}:6: corrupt or truncated record" in text
+    assert hw_key_of(foreign) == "cpu-aarch64-neon"
+    # a tuner appending after the truncated line starts a fresh line: nothing else is lost
+    commit(make_tuning_log(d, HW, warn=lambda m: None), record(k2, 5e-5))
+    warnings = []
+    _, n = read_log(d, HW, warnings.append)
+    assert n == 3 and len(warnings) == 4
+
+
+def test_garbage_or_missing_log_never_breaks_apply(tmp_path):
+    d = tmp_path / "log"
+    d.mkdir()
+    (d / WORKLOAD_FILE).write_text('["123", "AAAA"]\n{not json\n')
+    (d / RECORD_FILE).write_text('[0, [1, 2, 3]]\n\x00\x01garbage\n[1')
+    said = []
+    mod, report = apply_tuning_log(Toy, SPEC, str(d), warn=said.append)
+    assert mod is Toy and report["kernels"] == []
+    assert any(f"{d / WORKLOAD_FILE}:1: unreadable workload" in m for m in said)
+    assert any(f"{d / WORKLOAD_FILE}:2: unreadable workload" in m for m in said)
+    assert any("no usable tuning records" in m for m in said)
+    said = []
+    mod, report = apply_tuning_log(Toy, SPEC, str(tmp_path / "missing"), warn=said.append)
+    assert mod is Toy and "no usable tuning records" in said[-1]
+    with pytest.warns(TuningLogWarning, match="no usable tuning records"):
+        apply_tuning_log(Toy, SPEC, str(tmp_path / "missing"))
+
+
+def test_apply_uses_the_log_inside_its_bucket_only(tmp_path):
+    d = str(tmp_path / "log")
+    (k1,) = static_kernels((1,))
+    commit(make_tuning_log(d, HW), record(k1, 2e-6))
+    said = []
+    mod, report = apply_tuning_log(Toy, SPEC, d, warn=said.append)
+    assert said == []
+    assert report["buckets"] == [{"bucket": "decode:b=1", "function": "decode__b1", "kernels": 1}]
+    assert report["kernels"] == [{"kernel": "nt_matmul__b1", "generic": "nt_matmul",
+                                  "bucket": "decode:b=1", "tuned_ms": 0.002}]
+    assert mod["nt_matmul__b1"].attrs["tirx.is_scheduled"]
+    assert "relu__b1" not in [gv.name_hint for gv in mod.get_global_vars()]  # no record: generic
+    ex = tvm.compile(mod, target="llvm")
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    w = np.random.default_rng(0).standard_normal((64, 32)).astype("float32")
+    for b in (1, 3):
+        x = np.random.default_rng(b).standard_normal((b, 32)).astype("float32")
+        out = vm["decode"](tvm.runtime.tensor(x), tvm.runtime.tensor(w)).numpy()
+        np.testing.assert_allclose(out, np.maximum(x @ w.T, 0), rtol=1e-5, atol=1e-5)
+
+
+WRITER = """
+import sys
+sys.path.insert(0, {here!r})
+from test_log import static_kernels, record, commit, HW
+from tvm_llm.tune.log import make_tuning_log
+shared, own = static_kernels((1, {size}))
+db = make_tuning_log({d!r}, HW)
+open({d!r} + "/ready-{size}", "w").close()
+import os, time
+while not all(os.path.exists({d!r} + f"/ready-{{s}}") for s in (2, 3)):
+    time.sleep(0.01)
+for i in range({n}):
+    commit(db, record(shared if i % 2 else own, 1e-3 + i * 1e-6))
+"""
+
+
+def test_two_tuners_append_to_one_log_concurrently(tmp_path):
+    d = str(tmp_path / "log")
+    os.makedirs(d)
+    n = 40
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER.format(here=HERE, d=d, size=s, n=n)],
+                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
+             for s in (2, 3)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    warnings = []
+    mem, count = read_log(d, HW, warnings.append)
+    assert (count, warnings) == (2 * n, [])
+    wl = open(os.path.join(d, WORKLOAD_FILE)).read().splitlines()
+    assert len(wl) == 3  # the shared kernel once, each own kernel once
+    k1, k2, k3 = static_kernels()
+    db = make_tuning_log(d, HW)
+    assert [db.count(normalize(k)) for k in (k1, k2, k3)] == [n, n // 2, n // 2]
+    from tvm.s_tir.meta_schedule.database import JSONDatabase
+
+    assert len(JSONDatabase(work_dir=d, allow_missing=False).get_all_tuning_records()) == 2 * n
+
+
+def test_generic_kernel_record_keeps_the_generic_kernel(tmp_path):
+    """A kernel whose tuned records all lost to our rules' generic kernel gets no copy."""
+    from tvm.s_tir import Schedule
+    from tvm.s_tir.meta_schedule.database import TuningRecord
+
+    from tvm_llm.tune.log import GENERIC_MARK, is_generic_record
+
+    d = str(tmp_path / "log")
+    k1, k2 = static_kernels((1, 2))
+    db = make_tuning_log(d, HW)
+    wl = normalize(k1)
+    sch = Schedule(wl)
+    sch.annotate(sch.get_sblock("root"), GENERIC_MARK, 1)
+    generic = TuningRecord(sch.trace, db.commit_workload(wl), [1e-5], SPEC.tvm_target(),
+                           record(k1).args_info)
+    assert is_generic_record(generic) and not is_generic_record(record(k1))
+    db.commit_tuning_record(generic)  # b=1: rules 10 us, tuned 20 us
+    commit(db, record(k1, 2e-5))
+    commit(db, record(k2, 1e-5))  # b=2: tuned, nothing to compare with
+    assert db.count(wl) == 1  # the generic kernel's record is not a trial
+    mod, report = apply_tuning_log(Toy, SPEC, d, warn=lambda m: None)
+    assert report["generic_kept"] == 1
+    assert [k["kernel"] for k in report["kernels"]] == ["nt_matmul__b2"]
+    names = {gv.name_hint for gv in mod.get_global_vars()}
+    assert "decode__b2" in names and "decode__b1" not in names

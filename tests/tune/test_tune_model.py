@@ -1,0 +1,93 @@
+"""The tiny llama tuned for a handful of trials, its log applied at build: the tuned kernels are
+reported, bad lines in the log only cost warnings, and the logits still match transformers."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from tiny_models import VOCAB
+from tvm_llm.tune.apply import TuningLogWarning
+from tvm_llm.tune.log import RECORD_FILE
+
+TOL = 1e-4
+BUILD = dict(target="llvm", max_batch_size=4, prefill_chunk_size=64)  # as tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def tuned_log(tmp_path_factory, checkpoint):
+    from tvm_llm.tune import tune
+
+    log_dir = str(tmp_path_factory.mktemp("tune") / "cpu-log")
+    lines = []
+    summary = tune(checkpoint("llama"), trials=2, log_dir=log_dir, buckets=["decode:b=1"],
+                   kernels=["fused_NT_matmul"], trials_per_batch=2, compare_generic=False,
+                   max_batch_size=BUILD["max_batch_size"],
+                   prefill_chunk_size=BUILD["prefill_chunk_size"], log=lines.append)
+    return log_dir, summary, "\n".join(str(x) for x in lines)
+
+
+def test_tune_writes_a_resumable_log(tuned_log):
+    log_dir, summary, text = tuned_log
+    assert summary["trials_run"] == 4 and len(summary["kernels"]) == 2
+    assert all(k["records"] == 2 and k["bucket"] == "decode:b=1" for k in summary["kernels"])
+    assert "ETA" in text and "best" in text  # the progress lines
+    assert os.path.getsize(os.path.join(log_dir, RECORD_FILE)) > 0
+
+
+def test_build_applies_the_log_and_matches_transformers(tuned_log, checkpoint, hf_model,
+                                                         tmp_path):
+    import tvm_llm
+    from tvm_llm import Engine
+    from tvm_llm.report import format_manifest
+
+    log_dir, summary, _ = tuned_log
+    rec_path = os.path.join(log_dir, RECORD_FILE)
+    good = open(rec_path).read()
+    with open(rec_path, "a") as f:  # a corrupt line, and a record for another machine
+        f.write("{corrupt\n")
+        other = json.loads(good.splitlines()[0])
+        other[1][2] = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]}
+        f.write(json.dumps(other) + "\n")
+    out = str(tmp_path / "out")
+    try:
+        with pytest.warns(TuningLogWarning) as caught:
+            manifest = tvm_llm.build(checkpoint("llama"), out, tuning_log=log_dir,
+                                     log=lambda *a: None, **BUILD)
+    finally:
+        open(rec_path, "w").write(good)
+    said = "\n".join(str(w.message) for w in caught)
+    n = len(good.splitlines())
+    assert f"{rec_path}:{n + 1}: corrupt or truncated record" in said
+    assert f"(line {n + 2}) were tuned for cpu-aarch64-neon" in said
+
+    tuning = manifest["report"]["tuning"]
+    tuned = {k["kernel"] for k in tuning["kernels"]}
+    assert tuned == {k["kernel"] for k in summary["kernels"]}
+    assert tuning["buckets"][0]["bucket"] == "decode:b=1"
+    text = format_manifest(manifest)
+    assert "2 kernels from the log" in text and all(k in text for k in tuned)
+
+    eng, ref_model = Engine(out), hf_model("llama")
+    prompt = [int(t) for t in np.random.default_rng(1).integers(3, VOCAB, size=11)]
+    n = len(prompt)
+    sid = eng.cache.add()
+    pre = eng.prefill_positions([sid], [n], np.array([prompt]), np.arange(n)[None], np.arange(n))[0]
+    tokens, steps = [int(pre[-1].argmax())], []
+    for _ in range(8):  # batch-1 decode: the tuned bucket
+        row = eng.decode_step([sid], [tokens[-1]])[0]
+        steps.append(row)
+        tokens.append(int(row.argmax()))
+    eng.cache.remove(sid)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([prompt + tokens[:-1]])).logits[0].numpy()
+    assert np.abs(pre - ref[:n]).max() < TOL
+    for i, row in enumerate(steps):
+        assert np.abs(row - ref[n + i]).max() < TOL, f"decode step {i}"
+    # batch 2 runs the generic kernels: same tokens as each prompt alone through the tuned ones
+    prompts = [prompt, prompt[:5]]
+    assert eng.generate_ids(prompts, max_new_tokens=6, ignore_eos=True) == [
+        eng.generate_ids([p], max_new_tokens=6, ignore_eos=True)[0] for p in prompts]

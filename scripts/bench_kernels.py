@@ -75,9 +75,7 @@ def linear_shapes(model):
 
 
 def host_target():
-    return tvm.target.Target({"kind": "llvm", "mtriple": f"{os.uname().machine}-linux-gnu",
-                              "mcpu": str(tvm.target.codegen.llvm_get_system_cpu()),
-                              "num-cores": ARGS.threads})
+    return workloads.host_target(ARGS.threads)
 
 
 def build(specs, mode):

@@ -11,6 +11,31 @@ from tvm import relax, tirx
 EPILOGUES = (None, "bias", "silu", "gelu", "residual", "silu_mul")
 
 
+def host_target(num_cores: int = 2) -> tvm.target.Target:
+    """This machine's CPU, named explicitly (TVM's "native" falls back to generic SSE)."""
+    import os
+
+    return tvm.target.Target({"kind": "llvm", "mtriple": f"{os.uname().machine}-linux-gnu",
+                              "mcpu": str(tvm.target.codegen.llvm_get_system_cpu()),
+                              "num-cores": num_cores})
+
+
+def reference_linear(x, w, epilogue, extra):
+    """numpy result of the `linear` workload: x @ w.T followed by `epilogue`."""
+    import numpy as np
+
+    y = x @ w.T
+    if epilogue == "bias":
+        y = y + extra
+    elif epilogue == "residual":
+        y = extra + y
+    elif epilogue == "silu":
+        y = y / (1 + np.exp(-y))
+    elif epilogue == "silu_mul":
+        y = y / (1 + np.exp(-y)) * extra
+    return y
+
+
 def lower_to_tir(mod: tvm.IRModule) -> tvm.IRModule:
     seq = tvm.transform.Sequential([
         relax.transform.FuseTransposeMatmul(),

@@ -12,25 +12,7 @@ from tvm import relax
 from schedules.cpu import common, cpu_schedule_pass, prepack, workloads
 from schedules.cpu.gemm import GEMM
 from schedules.cpu.gemv import GEMV
-
-
-def host_target():
-    return tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu",
-                              "mcpu": str(tvm.target.codegen.llvm_get_system_cpu()),
-                              "num-cores": 2})
-
-
-def ref_linear(x, w, epilogue, extra):
-    y = x @ w.T
-    if epilogue == "bias":
-        y = y + extra
-    elif epilogue == "residual":
-        y = extra + y
-    elif epilogue == "silu":
-        y = y / (1 + np.exp(-y))
-    elif epilogue == "silu_mul":
-        y = y / (1 + np.exp(-y)) * extra
-    return y
+from schedules.cpu.workloads import host_target, reference_linear
 
 
 # (name, K, N, mode, epilogue): K/N not multiples of the tiles; N=100 needs a padded panel.
@@ -90,7 +72,7 @@ def test_packed_numerics(packed_vm, name, K, N, mode, epilogue):
             acts.append(extra)
         packed = vm[f"{name}_transform_params"]([tvm.runtime.tensor(a, dev) for a in weights])
         out = vm[name](*[tvm.runtime.tensor(a, dev) for a in acts], *packed).numpy()
-        np.testing.assert_allclose(out, ref_linear(x, w, epilogue, extra), rtol=2e-4, atol=2e-3)
+        np.testing.assert_allclose(out, reference_linear(x, w, epilogue, extra), rtol=2e-4, atol=2e-3)
 
 
 def test_claims():
@@ -125,7 +107,7 @@ def test_nn_matmul_numerics():
     for M in (1, 7, 129):
         x = rng.standard_normal((1, M, 48)).astype("float32")
         out = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(w)).numpy()
-        np.testing.assert_allclose(out, ref_linear(x, w.T, "silu", None), rtol=2e-4, atol=2e-3)
+        np.testing.assert_allclose(out, reference_linear(x, w.T, "silu", None), rtol=2e-4, atol=2e-3)
 
 
 def test_shared_prepack_between_prefill_and_decode():
@@ -210,4 +192,4 @@ def test_avx2_target_numerics():
             wp = (vm[f"{name}_transform_params"]([tvm.runtime.tensor(w)]) if marked
                   else [tvm.runtime.tensor(w)])
             out = vm[name](tvm.runtime.tensor(x), *wp).numpy()
-            np.testing.assert_allclose(out, ref_linear(x, w, epi, None), rtol=2e-4, atol=2e-3)
+            np.testing.assert_allclose(out, reference_linear(x, w, epi, None), rtol=2e-4, atol=2e-3)

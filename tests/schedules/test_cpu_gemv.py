@@ -10,25 +10,7 @@ from tvm import relax
 
 from schedules.cpu import cpu_schedule_pass, workloads
 from schedules.cpu.gemv import GEMV
-
-
-def host_target():
-    return tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu",
-                              "mcpu": str(tvm.target.codegen.llvm_get_system_cpu()),
-                              "num-cores": 2})
-
-
-def ref_linear(x, w, epilogue, extra):
-    y = x @ w.T
-    if epilogue == "bias":
-        y = y + extra
-    elif epilogue == "residual":
-        y = extra + y
-    elif epilogue == "silu":
-        y = y / (1 + np.exp(-y))
-    elif epilogue == "silu_mul":
-        y = y / (1 + np.exp(-y)) * extra
-    return y
+from schedules.cpu.workloads import host_target, reference_linear
 
 
 # K not a multiple of the SIMD width (67, 100), N not of the row block (37, 100)
@@ -79,7 +61,7 @@ def test_numerics(gemv_vm, name, K, N, mode, epilogue):
             extra = rng.standard_normal(xs[:-1] + (N,)).astype("float32")
             acts.append(extra)
         out = vm[name](*[tvm.runtime.tensor(a, dev) for a in acts + weights]).numpy()
-        np.testing.assert_allclose(out, ref_linear(x, w, epilogue, extra), rtol=2e-4, atol=2e-3)
+        np.testing.assert_allclose(out, reference_linear(x, w, epilogue, extra), rtol=2e-4, atol=2e-3)
 
 
 def test_claims():

@@ -12,12 +12,7 @@ from tvm import relax, tirx
 from schedules.cpu import cpu_schedule_pass, workloads
 from schedules.cpu.elementwise import Elementwise
 from schedules.cpu.reduction import RowReduction
-
-
-def host_target():
-    return tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu",
-                              "mcpu": str(tvm.target.codegen.llvm_get_system_cpu()),
-                              "num-cores": 2})
+from schedules.cpu.workloads import host_target
 
 
 def rms(x, g):

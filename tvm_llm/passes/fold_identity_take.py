@@ -11,6 +11,8 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
+from .common import relax_function_pass
+
 
 def rewrite_function(func: relax.Function) -> tuple[relax.Function, int]:
     x, idx = wildcard(), is_const()
@@ -35,13 +37,5 @@ def rewrite_function(func: relax.Function) -> tuple[relax.Function, int]:
 
 
 def FoldIdentityTake() -> tvm.transform.Pass:
-    """The module pass (a fresh Pass object each call)."""
-    return tvm.transform.module_pass(_transform_module, opt_level=0, name="FoldIdentityTake")
-
-
-def _transform_module(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    mod = mod.clone()  # never mutate the caller's module
-    for gv, func in list(mod.functions_items()):
-        if isinstance(func, relax.Function):
-            mod[gv] = rewrite_function(func)[0]
-    return mod
+    """The module pass (a fresh Pass object each call, like TVM's own pass constructors)."""
+    return relax_function_pass("FoldIdentityTake", lambda f: rewrite_function(f)[0])

@@ -14,6 +14,8 @@ import tvm_ffi
 from tvm import relax
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
+from .common import relax_function_pass, weight_params
+
 
 def _core_pattern():
     x, eps = wildcard(), is_const()
@@ -73,19 +75,8 @@ def rewrite_function(func: relax.Function, weight_vars: set) -> tuple[relax.Func
     return rewrite_call(scaled, rewrite_scaled, func), count[0]
 
 
-def weight_params(func: relax.Function) -> set:
-    n = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs else len(func.params)
-    return set(func.params[n:])
-
 
 def FuseRMSNorm() -> tvm.transform.Pass:
     """The module pass (a fresh Pass object each call, like TVM's own pass constructors)."""
-    return tvm.transform.module_pass(_transform_module, opt_level=0, name="FuseRMSNorm")
-
-
-def _transform_module(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    mod = mod.clone()  # never mutate the caller's module
-    for gv, func in list(mod.functions_items()):
-        if isinstance(func, relax.Function):
-            mod[gv] = rewrite_function(func, weight_params(func))[0]
-    return mod
+    return relax_function_pass("FuseRMSNorm",
+                               lambda f: rewrite_function(f, weight_params(f))[0])

@@ -16,6 +16,8 @@ import tvm_ffi
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .common import relax_function_pass, weight_params
+
 
 def _linear_parts(value, weights: set, bindings: dict):
     """(x, W) if value is matmul(x, permute_dims(W)) with W a 2-D weight parameter (the
@@ -166,14 +168,5 @@ def rewrite_function(func: relax.Function, weights: set) -> tuple[relax.Function
 
 def MergeParallelLinear() -> tvm.transform.Pass:
     """The module pass (a fresh Pass object each call, like TVM's own pass constructors)."""
-    return tvm.transform.module_pass(_transform_module, opt_level=0, name="MergeParallelLinear")
-
-
-def _transform_module(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    mod = mod.clone()  # never mutate the caller's module
-    from .fuse_rms_norm import weight_params
-
-    for gv, func in list(mod.functions_items()):
-        if isinstance(func, relax.Function) and func.attrs and "num_input" in func.attrs:
-            mod[gv] = rewrite_function(func, weight_params(func))[0]
-    return mod
+    return relax_function_pass("MergeParallelLinear",
+                               lambda f: rewrite_function(f, weight_params(f))[0])

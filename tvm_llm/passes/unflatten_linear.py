@@ -12,6 +12,8 @@ import tvm_ffi
 from tvm import relax
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
+from .common import relax_function_pass
+
 
 def _leading_dims_equal(a, b) -> bool:
     return len(a) == len(b) and all(tvm_ffi.structural_equal(x, y) for x, y in zip(a[:-1], b[:-1]))
@@ -38,12 +40,4 @@ def rewrite_function(func: relax.Function) -> tuple[relax.Function, int]:
 
 def UnflattenLinear() -> tvm.transform.Pass:
     """The module pass (a fresh Pass object each call, like TVM's own pass constructors)."""
-    return tvm.transform.module_pass(_transform_module, opt_level=0, name="UnflattenLinear")
-
-
-def _transform_module(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    mod = mod.clone()  # never mutate the caller's module
-    for gv, func in list(mod.functions_items()):
-        if isinstance(func, relax.Function):
-            mod[gv] = rewrite_function(func)[0]
-    return mod
+    return relax_function_pass("UnflattenLinear", lambda f: rewrite_function(f)[0])

@@ -65,6 +65,15 @@ def _generate(args) -> None:
         print(f"--- [{i}] {prompts[i]}{text}")
 
 
+def _verify(args) -> int:
+    from .verify import verify
+
+    report = verify(args.output_dir, reference=args.reference, prompts=args.prompt,
+                    min_cosine=args.min_cosine, min_top1=args.min_top1, num_threads=args.threads)
+    print(report.format())
+    return 1 if report.flagged else 0
+
+
 def _inspect(args) -> None:
     from .report import format_manifest
     from .runtime.artifact import read_manifest
@@ -196,6 +205,29 @@ def make_parser() -> argparse.ArgumentParser:
                    help="CPU threads (default: all cores, or $TVM_NUM_THREADS)")
     g.set_defaults(func=_generate)
 
+    v = sub.add_parser("verify", help="compare a build with transformers, layer by layer",
+                       description="Run the build in OUT and transformers (the checkpoint MODEL_DIR, "
+                                   "float32, eager attention) on the same prompts; print per "
+                                   "hidden state (embedding, each decoder layer, final norm) and "
+                                   "for the logits the cosine similarity and max abs difference, "
+                                   "and flag what falls below the thresholds. Exit code 0: nothing "
+                                   "flagged, 1: something flagged, 2: bad input.")
+    v.add_argument("output_dir", metavar="OUT", help="directory written by `tvm-llm build`")
+    v.add_argument("--reference", metavar="MODEL_DIR", default=None,
+                   help="Hugging Face checkpoint to compare with (default: the directory OUT was "
+                        "built from, as its manifest records)")
+    v.add_argument("--prompt", action="append",
+                   help="prompt text (repeat for several; default: three short texts)")
+    v.add_argument("--min-cosine", type=float, default=0.99,
+                   help="flag a hidden state or the logits whose cosine similarity (all positions "
+                        "flattened) is below this (default 0.99)")
+    v.add_argument("--min-top1", type=float, default=0.9,
+                   help="flag the logits when fewer than this fraction of positions agree on the "
+                        "greedy token (default 0.9)")
+    v.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads (default: all cores, or $TVM_NUM_THREADS)")
+    v.set_defaults(func=_verify)
+
     i = sub.add_parser("inspect", help="print an output directory's manifest and build report")
     i.add_argument("output_dir", metavar="OUT")
     i.set_defaults(func=_inspect)
@@ -230,7 +262,7 @@ def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
     _show_tuning_warnings()
     try:
-        args.func(args)
+        code = args.func(args)  # verify returns its exit code; the others return None
     except UserError as e:
         print(f"tvm-llm: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -242,7 +274,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("tvm-llm: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ ATTN_IMPLEMENTATION = "tvm_paged"
 # kwargs transformers passes that carry no attention semantics the cache must honour
 _HARMLESS_KWARGS = {"position_ids", "use_cache", "cache_position", "output_attentions",
                     "position_embeddings", "is_causal", "cu_seq_lens_q", "cu_seq_lens_k",
-                    "max_length_q", "max_length_k"}
+                    "max_length_q", "max_length_k", "output_hidden_states"}
 
 
 @torch.library.custom_op("tvm_llm::paged_attention", mutates_args=())

@@ -2,10 +2,13 @@
 
 The custom attention op becomes TVM's fused-QKV paged attention (`attention_with_fused_qkv`);
 heads, head dim and scale are read from the traced op's arguments, so no architecture is
-described by hand. The module gets three functions:
+described by hand. The module gets four functions:
   prefill(input_ids (1, n), position_ids (1, n), logit_positions (m,), kv_cache, *weights)
       -> logits (1, m, vocab): the tokens of several sequences concatenated (ragged batch).
   decode(input_ids (b, 1), position_ids (b, 1), kv_cache, *weights) -> logits (b, 1, vocab)
+  hidden_states(same arguments as prefill) -> (logits (1, m, vocab),
+      hidden states (k, 1, n, hidden)): prefill that also returns the stacked hidden states
+      (embedding output, each decoder layer's output, the final norm's), for tvm-llm verify.
   create_paged_kv_cache(max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
       support_sliding_window) -> the cache object (TVM's TIR paged KV cache).
 """
@@ -112,7 +115,8 @@ def to_relax(ep, vocab_size: int) -> ImportedModel:
     nh, nkv, d, dv = shapes.pop()
     attn = AttentionShape(len(ids), nh, nkv, d, dv, [layers[i][4] for i in ids])
 
-    # forward(input_ids, position_ids, logit_positions, kv_cache, *weights) -> logits
+    # forward(input_ids, position_ids, logit_positions, kv_cache, *weights)
+    #     -> (logits, stacked hidden states)
     params = list(func.params)
     attrs = {k: v for k, v in func.attrs.items() if k != "params"}
     attrs["num_input"] = n_in + 1
@@ -141,25 +145,41 @@ def _sym_vars(func):
     return ids_shape[0], ids_shape[1], keep_shape[0]
 
 
+def _logits_only(func):
+    """The function returning only the first field (the logits) of its (logits, hidden states)
+    result; the stacked hidden states become dead code, removed by the caller's DCE."""
+    from tvm import relax as rx
+
+    body = rx.SeqExpr(func.body.blocks, rx.TupleGetItem(func.body.body, 0))
+    return rx.Function(func.params, body, func.ret_ty.fields[0], func.is_pure, func.attrs)
+
+
 def specialize(mod, max_batch: int, max_tokens: int):
-    """Derive prefill (batch 1) and decode (seq 1, last logit) from the forward function."""
+    """Derive prefill (batch 1), decode (seq 1, last logit) and hidden_states (prefill that
+    also returns the hidden states) from the forward function."""
     import tvm
     from tvm import relax as rx
     from tvm.relax.utils import copy_with_new_vars
 
     forward = mod["forward"]
     batch, seq, kept = _sym_vars(forward)
-    prefill = forward.bind_symbolic_vars({batch: 1})
-    prefill = prefill.with_attrs({"global_symbol": "prefill", "num_input": 4,
-                                  "tir_var_upper_bound": {seq.name: max_tokens, kept.name: max_tokens},
-                                  "tir_var_lower_bound": {seq.name: 1, kept.name: 1}})
-    decode = forward.bind_symbolic_vars({seq: 1, kept: 1})
+    one_seq = forward.bind_symbolic_vars({batch: 1})
+    seq_bounds = {"tir_var_upper_bound": {seq.name: max_tokens, kept.name: max_tokens},
+                  "tir_var_lower_bound": {seq.name: 1, kept.name: 1}}
+    prefill = _logits_only(one_seq).with_attrs({"global_symbol": "prefill", "num_input": 4,
+                                                **seq_bounds})
+    hidden = one_seq.with_attrs({"global_symbol": "hidden_states", "num_input": 4, **seq_bounds})
+    decode = _logits_only(forward.bind_symbolic_vars({seq: 1, kept: 1}))
     decode = decode.bind_params({decode.params[2]: rx.const(np.zeros((1,), "int64"))})
     decode = decode.with_attrs({"global_symbol": "decode", "num_input": 3,
                                 "tir_var_upper_bound": {batch.name: max_batch},
                                 "tir_var_lower_bound": {batch.name: 1}})
-    # both came from one function: give each its own variables (passes need SSA per module)
-    return tvm.IRModule({"prefill": copy_with_new_vars(prefill), "decode": copy_with_new_vars(decode)})
+    # all came from one function: give each its own variables (passes need SSA per module)
+    out = tvm.IRModule({"prefill": copy_with_new_vars(prefill), "decode": copy_with_new_vars(decode),
+                        "hidden_states": copy_with_new_vars(hidden)})
+    # prefill/decode: forward the logits binding, drop the hidden-state stacking
+    out = rx.transform.CanonicalizeBindings()(out)
+    return rx.transform.DeadCodeElimination(["prefill", "decode", "hidden_states"])(out)
 
 
 def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target):

@@ -28,6 +28,9 @@ _ALLOC_STORAGE_OPS = ("relax.memory.alloc_storage", "relax.vm.alloc_storage")
 # functions the runtime calls per step; any other function that allocates storage (e.g. a CUDA
 # graph's cached allocation) holds it for the life of the process
 _STEP_FUNCTIONS = ("prefill", "decode")
+# functions only `tvm-llm verify` calls (never a serving engine): left out of the plan and the
+# budget; a verify run allocates their activations beyond it
+_DIAGNOSTIC_FUNCTIONS = ("hidden_states",)
 DEFAULT_CONTEXT = 2048  # when neither the user nor a budget says otherwise
 
 
@@ -81,7 +84,7 @@ def activation_plan(mod) -> ActivationPlan:
 
     functions = {}
     for gv, func in mod.functions_items():
-        if not isinstance(func, relax.Function):
+        if not isinstance(func, relax.Function) or gv.name_hint in _DIAGNOSTIC_FUNCTIONS:
             continue
         sizes, dynamic = [], [0]
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-MODEL_FUNCTIONS = ("prefill", "decode")
+MODEL_FUNCTIONS = ("prefill", "decode", "hidden_states")
 TRANSFORM = "transform_params"
 
 
 def LiftWeightTransforms() -> tvm.transform.Pass:
-    """One shared transform_params for prefill and decode (they take the same weights)."""
+    """One shared transform_params for prefill, decode and hidden_states (they take the same
+    weights)."""
     return relax.transform.LiftTransformParams(shared_transform=list(MODEL_FUNCTIONS))
 
 

@@ -27,7 +27,7 @@ def phase_passes(target_spec, disabled: frozenset = frozenset(), tuning_log: str
     from .merge_parallel_linear import MergeParallelLinear
     from .unflatten_linear import UnflattenLinear
 
-    entry = ["prefill", "decode", "create_paged_kv_cache"]
+    entry = ["prefill", "decode", "hidden_states", "create_paged_kv_cache"]
     phases = {
         "import_cleanup": [relax.transform.CanonicalizeBindings(), FoldIdentityTake(),
                            relax.transform.EliminateCommonSubexpr(),

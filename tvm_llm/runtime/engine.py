@@ -139,6 +139,43 @@ class Engine:
             self.cache.end()
         return out.numpy()[:, 0].astype(np.float32, copy=False)
 
+    def hidden_states(self, token_ids) -> tuple:
+        """One sequence through the compiled `hidden_states` function (prefill's kernels and
+        weights, also returning what each layer produced): (logits (n, vocab), hidden states
+        (k, n, hidden)) as float32 numpy, for every position of `token_ids`. The states are the
+        embedding output, each decoder layer's output and the final norm's (tvm-llm verify).
+        A prompt longer than the prefill chunk size runs in chunks over the KV cache."""
+        from ..errors import UserError
+
+        if not self.vm.module.implements_function("hidden_states"):
+            raise UserError(f"{self.out_dir}: the build has no hidden_states function (built by "
+                            "an older tvm_llm); rebuild it to verify it")
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("hidden_states: no tokens")
+        if len(ids) > self.context_window:
+            raise ValueError(f"hidden_states: {len(ids)} tokens exceed the context window "
+                             f"({self.context_window})")
+        sid = self.cache.add()
+        logits, states = [], []
+        try:
+            for start in range(0, len(ids), self.cache.prefill_chunk_size):
+                chunk = np.asarray(ids[start:start + self.cache.prefill_chunk_size], dtype="int64")
+                n = len(chunk)
+                self.cache.begin([sid], [n])
+                try:
+                    out = self.vm["hidden_states"](
+                        self._tensor(chunk[None]),
+                        self._tensor(np.arange(start, start + n, dtype="int64")[None]),
+                        self._tensor(np.arange(n, dtype="int64")), self.cache.handle, *self.weights)
+                finally:
+                    self.cache.end()
+                logits.append(out[0].numpy()[0].astype(np.float32, copy=False))
+                states.append(out[1].numpy()[:, 0].astype(np.float32, copy=False))
+        finally:
+            self.cache.remove(sid)
+        return np.concatenate(logits), np.concatenate(states, axis=1)
+
     # -------------------------------------------------------------- generation
     def _prefill_requests(self, reqs: list) -> dict:
         """Prefill every request's prompt, packing several per call up to the chunk size;

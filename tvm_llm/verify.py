@@ -79,11 +79,11 @@ class Report:
             lines.append(f"{r.name:<{width}}  {r.cosine:>9.6f}  {worst:>19}  {r.max_abs_diff:>12.2e}"
                          f"  {r.ref_max_abs:>9.2e}  {top1:>9}  {'FLAG' if r.flagged else ''}".rstrip())
         if self.disagreements:
-            shown = ", ".join(f"{p}:{i} ({got} vs {ref})"
+            shown = ", ".join(f"{p}:{i} {got}/{ref}"
                               for p, i, got, ref in self.disagreements[:_SHOWN_DISAGREEMENTS])
             more = len(self.disagreements) - _SHOWN_DISAGREEMENTS
-            lines.append(f"greedy token differs at {shown}" + (f" and {more} more" if more > 0 else "")
-                         + " (prompt:position (build vs reference))")
+            lines.append("greedy token differs (prompt:position build/reference token): "
+                         + shown + (f" and {more} more" if more > 0 else ""))
         flagged = self.flagged
         lines.append("")
         if flagged:

@@ -18,8 +18,14 @@ TRANSFORM = "transform_params"
 
 def LiftWeightTransforms() -> tvm.transform.Pass:
     """One shared transform_params for prefill, decode and hidden_states (they take the same
-    weights)."""
-    return relax.transform.LiftTransformParams(shared_transform=list(MODEL_FUNCTIONS))
+    weights); those of them the module has (TVM's pass refuses a listed name it lacks)."""
+
+    def transform(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        names = {gv.name_hint for gv in mod.get_global_vars()}
+        present = [f for f in MODEL_FUNCTIONS if f in names]
+        return relax.transform.LiftTransformParams(shared_transform=present)(mod)
+
+    return tvm.transform.module_pass(transform, opt_level=0, name="LiftTransformParams")
 
 
 def split_weight_transform(mod: tvm.IRModule):

@@ -59,10 +59,15 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
           context_window: int | None = None, max_batch_size: int = 8,
           prefill_chunk_size: int = 512, page_size: int = 16, kv_cache_tokens: int | None = None,
           max_memory=None, dump_ir: str | None = None, disabled_phases=(), log=print,
-          tuning_log: str | None = None) -> dict:
+          tuning_log: str | None = None, quantization: str | None = None, group_size: int = 32,
+          activations: str | None = None, keep_float=None) -> dict:
     """Compile the Hugging Face checkpoint in `model_dir` into `output_dir`; return the manifest.
     `tuning_log`: a MetaSchedule log directory (tvm-llm tune) whose kernels replace our
-    default schedules; bad or foreign records are warned about and skipped."""
+    default schedules; bad or foreign records are warned about and skipped.
+    `quantization` "q8" | "q4" (group-wise symmetric weights, `group_size` per scale),
+    `activations` "int8" for W8A8, `keep_float`: layer indices / weight-name globs left float
+    (see tvm_llm/quantization/scheme.py)."""
+    from .quantization import parse_scheme
     from .frontend import import_model, load_model, read_config, tokenizer_files
     from .passes.pipeline import run_pipeline
     from .targets import get_target
@@ -76,6 +81,10 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
                         ("page_size", page_size)):
         if not isinstance(value, int) or value < 1:
             raise UserError(f"{name} must be a positive integer, got {value!r}")
+    scheme = parse_scheme(quantization, group_size, activations, keep_float)
+    if scheme is not None and scheme.activations == "int8" and not spec.supports_int8_dot():
+        raise UserError(f"--activations int8 needs int8 dot-product instructions; target "
+                        f"{spec.describe()} has none (use weight-only --quantization)")
     output_dir = _check_output(output_dir, force)
     tvm_target = spec.tvm_target()
 
@@ -113,8 +122,15 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
     t0 = time.perf_counter()
     mod, weight_transforms, report = run_pipeline(imported.mod, spec, dump_dir=dump_ir,
                                                  disabled=frozenset(disabled_phases),
-                                                 tuning_log=tuning_log)
+                                                 tuning_log=tuning_log, quantization=scheme,
+                                                 checkpoint_names=imported.relax_names)
     tuning = next((ph.pop("tuning") for ph in report if "tuning" in ph), None)
+    quant_report = next((ph.pop("quantization") for ph in report if "quantization" in ph), None)
+    if scheme is not None:
+        quant_report = {**scheme.describe(), **(quant_report or {})}
+        log(f"[tvm-llm] quantized {len(quant_report.get('quantized', {}))} linear weights to "
+            f"{scheme.name}" + (f" (W8A8)" if scheme.activations == "int8" else "")
+            + f", kept {len(quant_report.get('kept_float', {}))} float")
     if tuning is not None:
         from .report import format_tuning
 
@@ -163,6 +179,7 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
                       "head_dim": attn.head_dim, "max_position_embeddings": max_pos,
                       "source": os.path.abspath(model_dir)},
             "dtype": dtype,
+            "quantization": quant_report,
             "target": spec.describe(),
             "kv_cache": {"page_size": page_size, "max_batch_size": max_batch_size,
                          "max_total_seq_len": kv_cache_tokens,

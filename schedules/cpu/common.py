@@ -375,12 +375,14 @@ def match_matmul_block(sch: s_tir.Schedule, block) -> MatmulPattern | None:
     )
 
 
-def prepare_matmul(func: tirx.PrimFunc, dtypes=("float32",)):
+def prepare_matmul(func: tirx.PrimFunc, dtypes=("float32",), allow_computed_b: bool = False):
     """Match a (fused) weight matmul and normalize its epilogue.
 
     Returns (sch, pattern) with the schedule's injective prologue blocks inlined into the
     matmul and the injective epilogue chain inlined into its last block, or None if the
     function is not one matmul over a static 2-D weight plus injective blocks.
+    `allow_computed_b`: also accept a weight computed by an inlined prologue (a quantized
+    weight's dequantize); the pattern's b_index is then -1 (nothing to repack).
     """
     if not isinstance(func, tirx.PrimFunc):
         return None
@@ -436,9 +438,9 @@ def prepare_matmul(func: tirx.PrimFunc, dtypes=("float32",)):
     # Inlined prologues change the block's read list: find A and B again by buffer.
     reads = [r.source for r in sch.get(sch.get_sblock(main_name)).reads]
     b_pos = [i for i, r in enumerate(reads) if r.same_as(pattern.b_buffer)]
-    if len(b_pos) != 1:
-        return None  # the weight itself came from a fused producer (cast, ...)
-    pattern.b_index = b_pos[0]
+    if len(b_pos) != 1 and not allow_computed_b:
+        return None  # the weight itself came from a fused producer (cast, dequantize, ...)
+    pattern.b_index = b_pos[0] if len(b_pos) == 1 else -1
     rest = [b for b in root_blocks(sch) if block_name(sch, b) != main_name]
     if len(rest) > 1:
         return None

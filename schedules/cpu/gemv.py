@@ -4,7 +4,9 @@ Claims
     PrimFuncs that are one NT matmul ``C[m.., n] = sum_k A[m.., k] * W[n, k]`` against a static
     2-D float32 weight (plus injective prologue/epilogue blocks), i.e. every linear layer after
     ``FuseTransposeMatmul``, when the weight is *not* repacked (the :mod:`.gemm` rule takes it
-    when the build marks the weight layout-free). Decode ``x: (b, 1, K)`` with symbolic b is the
+    when the build marks the weight layout-free). Also quantized weights: the dequantize
+    producer (tvm_llm/quantization/kernels.py) is inlined, so each lane vector of packed bytes
+    is loaded, widened, scaled and multiplied in registers. Decode ``x: (b, 1, K)`` with symbolic b is the
     case it is shaped for; prefill (symbolic n) also runs correctly through it. TVM's dlight CPU
     GEMV matches nothing once the batch is symbolic.
 
@@ -72,7 +74,7 @@ class GEMV(ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
             return None
-        prepared = common.prepare_matmul(func)
+        prepared = common.prepare_matmul(func, allow_computed_b=True)
         if prepared is None:
             return None
         sch, pat = prepared

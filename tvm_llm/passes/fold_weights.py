@@ -35,11 +35,35 @@ def split_weight_transform(mod: tvm.IRModule):
     if TRANSFORM not in [gv.name_hint for gv in mod.get_global_vars()]:
         return mod, None
     func = mod[TRANSFORM]
-    rest = tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv.name_hint != TRANSFORM},
+    # PrimFuncs the transform calls (e.g. weight quantization) go with it; those only it
+    # calls leave the model module.
+    used_by_transform = _called_globals(func)
+    used_by_model = set()
+    for gv, f in mod.functions_items():
+        if gv.name_hint != TRANSFORM and isinstance(f, relax.Function):
+            used_by_model |= _called_globals(f)
+    rest = tvm.IRModule({gv: f for gv, f in mod.functions_items()
+                         if gv.name_hint != TRANSFORM
+                         and not (gv.name_hint in used_by_transform - used_by_model)},
                         attrs=mod.attrs)
     if isinstance(func.body, relax.SeqExpr) and func.body.body.same_as(func.params[0]):
         return rest, None
-    return rest, tvm.IRModule({TRANSFORM: func})
+    transform = {TRANSFORM: func}
+    for gv, f in mod.functions_items():
+        if gv.name_hint in used_by_transform:
+            transform[gv] = f
+    return rest, tvm.IRModule(transform)
+
+
+def _called_globals(func) -> set:
+    names = set()
+
+    def visit(e):
+        if isinstance(e, relax.GlobalVar):
+            names.add(e.name_hint)
+
+    relax.analysis.post_order_visit(func, visit)
+    return names
 
 
 def weight_param_names(mod: tvm.IRModule, checkpoint_names: dict) -> list:

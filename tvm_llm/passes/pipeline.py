@@ -14,11 +14,15 @@ PHASES = ("import_cleanup", "fusion", "folding", "lowering", "scheduling", "fina
 
 
 def phase_passes(target_spec, disabled: frozenset = frozenset(), tuning_log: str | None = None,
-                 tuning_report: dict | None = None) -> list[tuple[str, list]]:
+                 tuning_report: dict | None = None, quantization=None,
+                 quant_report: dict | None = None) -> list[tuple[str, list]]:
     """(phase name, passes) in order for `target_spec`. Phases in `disabled` are left empty
     where skipping them keeps the module compilable (used by the ablation benchmark).
     With `tuning_log`, scheduling starts by applying that MetaSchedule log (tvm_llm.tune),
-    before our rules, and fills `tuning_report`."""
+    before our rules, and fills `tuning_report`. With `quantization` (a
+    quantization.scheme.QuantScheme, plus the checkpoint names in `quant_report["names"]`),
+    fusion quantizes the linear layers after merging them; `quant_report` gets what was
+    quantized."""
     from tvm import relax
 
     from .fold_identity_take import FoldIdentityTake
@@ -32,8 +36,9 @@ def phase_passes(target_spec, disabled: frozenset = frozenset(), tuning_log: str
         "import_cleanup": [relax.transform.CanonicalizeBindings(), FoldIdentityTake(),
                            relax.transform.EliminateCommonSubexpr(),
                            relax.transform.DeadCodeElimination(entry)],
-        "fusion": [UnflattenLinear(), MergeParallelLinear(), FuseRMSNorm(),
-                   relax.transform.FuseTransposeMatmul()],
+        "fusion": [UnflattenLinear(), MergeParallelLinear(), FuseRMSNorm()]
+                  + _quantize_passes(quantization, quant_report)
+                  + [relax.transform.FuseTransposeMatmul()],
         "folding": [relax.transform.FoldConstant(), LiftWeightTransforms(),
                     relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(entry + ["transform_params"])],
         "lowering": [relax.backend.DispatchSampling(), relax.backend.DispatchSortScan(),
@@ -47,6 +52,15 @@ def phase_passes(target_spec, disabled: frozenset = frozenset(), tuning_log: str
     optional = {"import_cleanup", "fusion", "folding", "scheduling"}
     return [(name, [] if (name in disabled and name in optional) else phases[name])
             for name in PHASES]
+
+
+def _quantize_passes(quantization, report) -> list:
+    if quantization is None:
+        return []
+    from .quantize_linear import QuantizeLinear
+
+    report = {} if report is None else report
+    return [QuantizeLinear(quantization, report.pop("names", {}), report)]
 
 
 def _tuning_passes(target_spec, tuning_log, report) -> list:
@@ -121,7 +135,8 @@ def kernels_per_call(mod, func_name: str) -> int:
 
 def run_pipeline(mod, target_spec, dump_dir: str | None = None,
                  disabled: frozenset = frozenset(), tuning_log: str | None = None,
-                 stop_after: str | None = None):
+                 stop_after: str | None = None, quantization=None,
+                 checkpoint_names: dict | None = None):
     """Apply every phase; return (module, weight transforms, report).
     `tuning_log`: a MetaSchedule log directory applied first in "scheduling" (its report goes
     in that phase's entry, key "tuning"); `stop_after`: a phase name to stop after (the
@@ -138,9 +153,11 @@ def run_pipeline(mod, target_spec, dump_dir: str | None = None,
     weight_transforms = []
     target = target_spec.tvm_target()
     tuning: dict = {}
+    quant: dict = {"names": dict(checkpoint_names or {})}
     calls_before = sum(count_ops(mod).values())
     with target, tvm.transform.PassContext(opt_level=3, config=target_spec.pass_context_config()):
-        for i, (name, passes) in enumerate(phase_passes(target_spec, disabled, tuning_log, tuning)):
+        for i, (name, passes) in enumerate(phase_passes(target_spec, disabled, tuning_log, tuning,
+                                                                   quantization, quant)):
             t0 = time.perf_counter()
             pass_seconds = {}
             for p in passes:  # one at a time, so the report can say what each pass cost
@@ -158,6 +175,8 @@ def run_pipeline(mod, target_spec, dump_dir: str | None = None,
                            "relax_calls_before": calls_before, "relax_calls": sum(ops.values()),
                            "skipped": not passes, "passes": pass_seconds})
             calls_before = sum(ops.values())
+            if name == "fusion" and quantization is not None:
+                report[-1]["quantization"] = {k: v for k, v in quant.items() if k != "names"}
             if name == "scheduling" and tuning:
                 report[-1]["tuning"] = tuning
             if dump_dir:

@@ -27,6 +27,10 @@ class TargetSpec:
         """TIR scheduling passes run after fusion (our rules first, then generic fallbacks)."""
         return []
 
+    def supports_int8_dot(self) -> bool:
+        """Whether W8A8 (--activations int8) has int8 dot-product instructions to run on."""
+        return False
+
     def tir_pipeline(self):
         """Name of a custom TIR lowering pipeline, or None for TVM's default."""
         return None

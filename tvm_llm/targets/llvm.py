@@ -59,6 +59,14 @@ class LLVMTarget(TargetSpec):
                 return isa
         return "sse"
 
+    def supports_int8_dot(self) -> bool:
+        """AVX-512 VNNI (vpdpbusd), which the W8A8 kernel (schedules/cpu/int8_matmul.py) uses."""
+        import tvm
+
+        t = self.tvm_target()
+        return "aarch64" not in str(t.attrs.get("mtriple", "")) and bool(
+            tvm.target.codegen.llvm_cpu_has_features("avx512vnni", t))
+
     def hw_key(self) -> str:
         arch = "aarch64" if self.cross and self.arch == "aarch64" else os.uname().machine
         return f"cpu-{arch}-{self.vector_isa()}"

@@ -17,7 +17,9 @@ def _build(args) -> None:
           force=args.force, emit_source=args.emit_source, context_window=args.context_window,
           max_batch_size=args.max_batch_size, prefill_chunk_size=args.prefill_chunk_size,
           page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens,
-          max_memory=args.max_memory, dump_ir=args.dump_ir, tuning_log=args.tuning_log)
+          max_memory=args.max_memory, dump_ir=args.dump_ir, tuning_log=args.tuning_log,
+          quantization=args.quantization, group_size=args.group_size,
+          activations=args.activations, keep_float=args.keep_float)
 
 
 def _tune(args) -> None:
@@ -74,6 +76,32 @@ def _verify(args) -> int:
     return 1 if report.flagged else 0
 
 
+def _perplexity(args) -> None:
+    from .perplexity import engine_perplexity, read_text
+    from .runtime.engine import Engine
+
+    text = read_text(args.text)
+    engine = Engine(args.output_dir, num_threads=args.threads)
+    r = engine_perplexity(engine, text, window=args.window, max_windows=args.max_windows)
+    q = engine.manifest.get("quantization") or {}
+    label = q.get("scheme", engine.manifest.get("dtype", "float32")) + (
+        " W8A8" if q.get("activations") == "int8" else "")
+    print(f"{args.output_dir} ({label}): perplexity {r['perplexity']:.3f} over {r['tokens']} "
+          f"tokens ({r['windows']} windows of {args.window})")
+
+
+def _sensitivity(args) -> None:
+    from .perplexity import read_text
+    from .quantization import parse_scheme
+    from .quantization.sensitivity import sensitivity
+
+    scheme = parse_scheme(args.quantization, args.group_size, args.activations)
+    report = sensitivity(args.model_dir, scheme, read_text(args.text), window=args.window,
+                         max_windows=args.max_windows,
+                         log=lambda *a: print(*a, file=sys.stderr, flush=True))
+    print(report.format())
+
+
 def _inspect(args) -> None:
     from .report import format_manifest
     from .runtime.artifact import read_manifest
@@ -110,6 +138,25 @@ _MAX_MEMORY_HELP = ("memory budget for the running model: a size (4GB = 4e9 byte
                     "what weights, activations and the runtime leave")
 
 
+def _add_quantization_args(p, default=None) -> None:
+    p.add_argument("--quantization", default=default, choices=["q8", "q4"],
+                   help="store linear weights as int8 (q8) or 4-bit (q4), symmetric, one scale "
+                        "per group; dequantized inside the matmul kernels")
+    p.add_argument("--group-size", type=_positive_int, default=32,
+                   help="weights per scale along the input dimension (default 32)")
+    p.add_argument("--activations", default=None, choices=["float", "int8"],
+                   help="int8: also quantize each linear's input per token and multiply "
+                        "int8 x int8 (W8A8, needs q8 and AVX-512 VNNI)")
+
+
+def _add_text_args(p) -> None:
+    p.add_argument("--text", default=None, metavar="FILE",
+                   help="text to evaluate (default: the bundled model's heldout.txt)")
+    p.add_argument("--window", type=_positive_int, default=256, help="tokens per window (default 256)")
+    p.add_argument("--max-windows", type=_positive_int, default=None,
+                   help="evaluate only the first N windows")
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tvm-llm", description=(
         "Compile a Hugging Face causal LM checkpoint into a native TVM module and run it."))
@@ -140,6 +187,11 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--tuning-log", default=None, metavar="DIR",
                    help="apply a `tvm-llm tune` log (DIR or DIR/<hw-key>); kernels without a "
                         "record keep our default schedules")
+    _add_quantization_args(b)
+    b.add_argument("--keep-float", default=None, metavar="LAYERS",
+                   help="comma list of what stays float under --quantization: decoder layer "
+                        "indices (0,3) and/or weight-name globs (lm_head, *down_proj*); see "
+                        "`tvm-llm sensitivity`")
     b.set_defaults(func=_build)
 
     t = sub.add_parser("tune", help="tune the model's kernels with MetaSchedule into a log",
@@ -227,6 +279,25 @@ def make_parser() -> argparse.ArgumentParser:
     v.add_argument("--threads", type=_positive_int, default=None,
                    help="CPU threads (default: all cores, or $TVM_NUM_THREADS)")
     v.set_defaults(func=_verify)
+
+    pp = sub.add_parser("perplexity", help="perplexity of a build on a text file",
+                        description="Perplexity of the build in OUT on non-overlapping windows of "
+                                    "--window tokens of a text (default: the bundled model's "
+                                    "held-out text), through the runtime.")
+    pp.add_argument("output_dir", metavar="OUT", help="directory written by `tvm-llm build`")
+    _add_text_args(pp)
+    pp.add_argument("--threads", type=_positive_int, default=None)
+    pp.set_defaults(func=_perplexity)
+
+    se = sub.add_parser("sensitivity", help="perplexity cost of quantizing each layer alone",
+                        description="Quantize one decoder layer (or the LM head) at a time, "
+                                    "simulated in transformers with the build's exact rounding, "
+                                    "and print perplexity and logits cosine against float32: "
+                                    "the most sensitive units are what --keep-float is for.")
+    se.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face checkpoint directory")
+    _add_quantization_args(se, default="q4")
+    _add_text_args(se)
+    se.set_defaults(func=_sensitivity)
 
     i = sub.add_parser("inspect", help="print an output directory's manifest and build report")
     i.add_argument("output_dir", metavar="OUT")

@@ -50,7 +50,7 @@ def forward_with_hidden_states(model, **kwargs):
 
 class LogitsModel(torch.nn.Module):
     """The signature we compile: token ids and positions in; logits of chosen positions and the
-    hidden states of every position (stacked: (states, batch, seq, hidden)) out.
+    hidden states of every position (stacked, float32: (states, batch, seq, hidden)) out.
 
     `logit_positions` (transformers' logits_to_keep as an index tensor) lets prefill project only
     each sequence's last token onto the vocabulary instead of every prompt token. prefill and
@@ -66,7 +66,8 @@ class LogitsModel(torch.nn.Module):
         logits, states, _ = forward_with_hidden_states(
             self.model, input_ids=input_ids, position_ids=position_ids, use_cache=False,
             logits_to_keep=logit_positions)
-        return logits, torch.stack(states)
+        # float32: the importer may give a float16 model's residual stream float32 already
+        return logits, torch.stack([s.float() for s in states])
 
 
 def export_logits_model(model, max_seq: int = 1 << 16):

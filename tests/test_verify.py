@@ -7,8 +7,9 @@ import os
 import shutil
 
 import numpy as np
+import pytest
 
-from tiny_models import VOCAB
+from tiny_models import ARCHS, VOCAB
 from tvm_llm.cli import main
 from tvm_llm.verify import verify
 
@@ -43,6 +44,17 @@ def test_float32_build_matches_transformers_at_every_layer(built, checkpoint, ca
     printed = capsys.readouterr().out
     assert _table(printed) == {name: False for name in STATES}
     assert "OK: nothing flagged" in printed
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
+def test_every_architecture_verifies(arch, built, checkpoint):
+    """Embedding scaling, learned positions, parallel residuals, fused weights: the hidden
+    states are defined alike in the trace and the reference (builds are shared with the
+    end-to-end tests)."""
+    report = verify(built(arch), reference=checkpoint(arch), prompts=["the quick brown fox"])
+    assert [r.name for r in report.rows] == STATES
+    assert report.flagged == []
+    assert min(r.cosine for r in report.rows) > 0.99999
 
 
 def _corrupt_layer(out: str, dst: str, layer: int) -> str:

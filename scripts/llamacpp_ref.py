@@ -297,18 +297,26 @@ def measure(ckpt_dir: str, qtype: str, threads: int, prompt_len: int = 128, gen_
             "gguf": runner.path, "gguf_bytes": os.path.getsize(runner.path)}
 
 
+def _cpu_sample():
+    """(all CPUs' time, their busy time, this process's CPU time), in seconds."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    hz, t = os.sysconf("SC_CLK_TCK"), os.times()
+    return sum(v) / hz, (sum(v) - v[3] - v[4]) / hz, t.user + t.system
+
+
+def others_busy(before, after) -> float:
+    """Fraction of all CPUs that other processes kept busy between two _cpu_sample()s."""
+    total = max(after[0] - before[0], 1e-9)
+    return max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / total
+
+
 def machine_busy(seconds: float = 1.0) -> float:
     """Fraction of all CPUs busy over `seconds` (this process sleeps meanwhile): other jobs on a
     2-core machine make llama.cpp's spinning thread barrier collapse at 2 threads, 5-10x slower."""
-    def sample():
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v), v[3] + v[4]  # total, idle + iowait
-
-    t0, i0 = sample()
+    before = _cpu_sample()
     time.sleep(seconds)
-    t1, i1 = sample()
-    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
+    return others_busy(before, _cpu_sample())
 
 
 def wait_quiet(max_wait: float, threshold: float = 0.1) -> float:
@@ -354,12 +362,15 @@ def main(argv=None):
           flush=True)
     if busy > 0.1:
         print("# warning: other jobs are running; figures at >1 thread may be far too low")
-    print(f"{'system':<20}{'GGUF MB':>9}{'prefill tok/s':>15}{'decode tok/s':>15}")
+    print(f"{'system':<20}{'GGUF MB':>9}{'prefill tok/s':>15}{'decode tok/s':>15}"
+          f"{'others busy':>13}")
     for q in qtypes:
+        before = _cpu_sample()
         r = measure(ckpt, q, args.threads, args.prompt_len, args.gen_len, args.repeats)
+        others = others_busy(before, _cpu_sample())
         print(f"{'llama.cpp ' + q:<20}{r['gguf_bytes'] / 1e6:>9.0f}{r['prefill_tok_s']:>15.1f}"
-              f"{r['decode_tok_s']:>15.2f}", flush=True)
-    print(f"# CPUs {machine_busy():.0%} busy after")
+              f"{r['decode_tok_s']:>15.2f}{others:>13.0%}", flush=True)
+    print("# others busy: the share of all CPUs that other processes used during that row")
     return 0
 
 

@@ -1,6 +1,8 @@
 """Prefill and decode speed of tvm_llm against transformers eager, measured in one run.
 
     python scripts/bench.py --shape llama-110m --threads 2
+    python scripts/bench.py --shape llama-1b --threads 2 --quantization fp32,q8,q4,w8a8 \
+        --llamacpp Q8_0,Q4_0 --no-transformers      # quantized builds against llama.cpp
 
 Random fp32 weights of a Llama shape (speed does not depend on values), batch 1, a prompt of
 --prompt-len tokens, then --gen-len greedy tokens. Systems are measured interleaved, --repeats
@@ -148,9 +150,16 @@ def machine_limits(threads: int) -> dict:
     return {"read_GB_s": bw, "sgemm_GFLOP_s": flops}
 
 
-def model_costs(shape: str, context: int) -> dict:
-    """Bytes read per decode token (every weight but the embedding table, plus the KV cache
-    at `context` tokens) and FLOPs per prefill token (2 per weight multiply-add)."""
+# Bytes per matmul weight as stored (scales included): ours, and llama.cpp's block formats.
+BYTES_PER_WEIGHT = {"fp32": 4.0, "q8": 1 + 4 / 32, "q4": 0.5 + 4 / 32, "w8a8": 1.0,
+                    "w4a8": 0.5 + 4 / 32,
+                    "F32": 4.0, "F16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32}
+
+
+def model_costs(shape: str, context: int, bytes_per_weight: float = 4.0) -> dict:
+    """Bytes read per decode token (every weight but the embedding table, at
+    `bytes_per_weight`, plus the fp32 KV cache at `context` tokens) and FLOPs per prefill token
+    (2 per weight multiply-add)."""
     s = SHAPES[shape]
     h, L, i, v = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"], s["vocab_size"]
     hd = h // s["num_attention_heads"]
@@ -158,17 +167,22 @@ def model_costs(shape: str, context: int) -> dict:
     per_layer = h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h
     matmul_params = L * per_layer + h * v + h
     kv_bytes = 2 * L * kv * 4 * context
-    return {"decode_bytes": matmul_params * 4 + kv_bytes, "prefill_flops": 2 * matmul_params}
+    return {"decode_bytes": matmul_params * bytes_per_weight + kv_bytes,
+            "prefill_flops": 2 * matmul_params}
 
 
-def print_limits(results, limits, costs):
+def print_limits(results, limits, costs, per_system=None):
+    """`per_system`: {system name: its costs} where they differ (quantized weights)."""
     print(f"# machine: read {limits['read_GB_s']:.1f} GB/s, sgemm {limits['sgemm_GFLOP_s']:.0f} "
           f"GFLOP/s; roofline decode {limits['read_GB_s'] * 1e9 / costs['decode_bytes']:.1f} tok/s, "
           f"prefill {limits['sgemm_GFLOP_s'] * 1e9 / costs['prefill_flops']:.0f} tok/s")
     for name, r in results.items():
-        dec = r["decode_tok_s"] * costs["decode_bytes"] / 1e9 / limits["read_GB_s"]
+        c = (per_system or {}).get(name, costs)
+        roof = limits["read_GB_s"] * 1e9 / c["decode_bytes"]
+        dec = r["decode_tok_s"] * c["decode_bytes"] / 1e9 / limits["read_GB_s"]
         pre = r["prefill_tok_s"] * costs["prefill_flops"] / 1e9 / limits["sgemm_GFLOP_s"]
-        print(f"  {name:<26} decode {dec:.2f} of bandwidth, prefill {pre:.2f} of sgemm peak")
+        print(f"  {name:<26} decode {dec:.2f} of its bandwidth roofline ({roof:.1f} tok/s), "
+              f"prefill {pre:.2f} of sgemm peak")
 
 
 def print_table(results, reference="transformers eager"):
@@ -190,26 +204,53 @@ def main(argv=None):
     p.add_argument("--rebuild", action="store_true", help="rebuild even if a cached build exists")
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.add_argument("--quantization", default="fp32",
+                   help="comma list of builds to measure: fp32, q8, q4, w8a8, w4a8 (default fp32)")
+    p.add_argument("--llamacpp", default="",
+                   help="comma list of llama.cpp formats measured in the same run (F32, Q8_0, "
+                        "Q4_0); needs llama-cpp-python, see scripts/llamacpp_ref.py")
     p.add_argument("--ablation", action="store_true",
                    help="also build with each optional pass phase switched off and compare")
     args = p.parse_args(argv)
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
 
     ckpt = make_checkpoint(args.shape)
-    out = build_model(ckpt, args.shape, args.rebuild)
+    context = args.prompt_len + args.gen_len // 2
+    per_system = {}
     runners = [] if args.no_transformers else [TransformersRunner(ckpt, args.threads)]
-    runners.append(TvmRunner(out, args.threads))
+    for q in [q.strip() for q in args.quantization.split(",") if q.strip()]:
+        if q == "fp32":
+            out, name = build_model(ckpt, args.shape, args.rebuild), "tvm_llm"
+        else:
+            kw = {"w8a8": dict(quantization="q8", activations="int8"),
+                  "w4a8": dict(quantization="q4", activations="int8")}.get(q, dict(quantization=q))
+            out, name = build_model(ckpt, args.shape, args.rebuild, tag=q, **kw), f"tvm_llm {q}"
+        runners.append(TvmRunner(out, args.threads, name=name))
+        per_system[name] = model_costs(args.shape, context, BYTES_PER_WEIGHT[q])
+    if args.llamacpp:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import llamacpp_ref
+
+        ok, why = llamacpp_ref.available()
+        if not ok:
+            print(f"# llama.cpp not measured: {why}")
+        else:
+            for qt in [q.strip() for q in args.llamacpp.split(",") if q.strip()]:
+                r = llamacpp_ref.LlamaCppRunner(ckpt, qt, args.threads,
+                                                n_ctx=args.prompt_len + args.gen_len + 8)
+                runners.append(r)
+                per_system[r.name] = model_costs(args.shape, context, BYTES_PER_WEIGHT[qt.upper()])
     if args.ablation:
         for phase in ABLATION_PHASES:
             off = build_model(ckpt, args.shape, args.rebuild, tag=f"no-{phase}",
                               disabled_phases=(phase,))
             runners.append(TvmRunner(off, args.threads, name=f"tvm_llm without {phase}"))
-    print(f"# {args.shape}, fp32, batch 1, prompt {args.prompt_len}, generate {args.gen_len}, "
+    print(f"# {args.shape}, batch 1, prompt {args.prompt_len}, generate {args.gen_len}, "
           f"{args.threads} threads, median of {args.repeats}", flush=True)
     results = measure(runners, args.prompt_len, args.gen_len, args.repeats)
     print_table(results)
     limits = machine_limits(args.threads)
-    print_limits(results, limits, model_costs(args.shape, args.prompt_len + args.gen_len // 2))
+    print_limits(results, limits, model_costs(args.shape, context), per_system)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results, "machine": limits}, f, indent=2)

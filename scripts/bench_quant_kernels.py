@@ -21,7 +21,7 @@ def _parse():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--models", default="1b")
-    p.add_argument("--schemes", default="fp32,q8,q4,w8a8")
+    p.add_argument("--schemes", default="fp32,q8,q4,w8a8,w4a8")
     p.add_argument("--only", default="")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--rotate-mb", type=int, default=256)
@@ -41,7 +41,7 @@ from tvm import relax, te  # noqa: E402
 
 from schedules.cpu import cpu_schedule_pass, workloads  # noqa: E402
 from tvm_llm.quantization import kernels  # noqa: E402
-from tvm_llm.quantization.scheme import QuantScheme, pack_q4_np, quantize_np  # noqa: E402
+from tvm_llm.quantization.scheme import QuantScheme, quantize_np, stored_np  # noqa: E402
 
 SHAPES = {  # name: (K, N)
     "110m": {"qkv": (768, 2304), "o": (768, 768), "gate_up": (768, 4096), "down": (2048, 768)},
@@ -49,7 +49,7 @@ SHAPES = {  # name: (K, N)
            "lm_head": (2048, 32000)},
 }
 SCHEMES = {"fp32": None, "q8": QuantScheme("q8"), "q4": QuantScheme("q4"),
-           "w8a8": QuantScheme("q8", activations="int8")}
+           "w8a8": QuantScheme("q8", activations="int8"), "w4a8": QuantScheme("q4", activations="int8")}
 
 
 def kernel_module(K: int, N: int, scheme):
@@ -68,6 +68,11 @@ def kernel_module(K: int, N: int, scheme):
         with bb.dataflow():
             if scheme is None:
                 y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(ws[0])))
+            elif scheme.tag == "w4a8":
+                from schedules.cpu.w4a8_matmul import w4a8_matmul_func
+
+                gv = bb.add_func(w4a8_matmul_func(K, N, scheme.group_size), "w4a8_matmul")
+                y = bb.emit(relax.call_tir(gv, relax.Tuple([x, *ws]), out_ty=relax.TensorType([b, 1, N], "float32")))
             elif scheme.activations == "int8":
                 act = bb.emit(bb.call_te(kernels.quantize_activation, x))
                 y = bb.emit(bb.call_te(kernels.int8_matmul, relax.TupleGetItem(act, 0),
@@ -88,16 +93,7 @@ def kernel_module(K: int, N: int, scheme):
 
 
 def stored_weights(w: np.ndarray, scheme):
-    if scheme is None:
-        return [w]
-    q, s = quantize_np(w, scheme)
-    if scheme.activations == "int8":
-        N, K = q.shape
-        tiles = q.reshape(N // 16, 16, K // 4, 4).transpose(0, 2, 1, 3).copy()
-        return [tiles, s.reshape(N), q.astype(np.int32).sum(axis=1, dtype=np.int32)]
-    if scheme.bits == 4:
-        return [pack_q4_np(q, scheme.group_size), s]
-    return [q, s]
+    return [w] if scheme is None else stored_np(w, scheme)
 
 
 def _reference(x, w, scheme):

@@ -129,7 +129,7 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
     if scheme is not None:
         quant_report = {**scheme.describe(), **(quant_report or {})}
         log(f"[tvm-llm] quantized {len(quant_report.get('quantized', {}))} linear weights to "
-            f"{scheme.name}" + (f" (W8A8)" if scheme.activations == "int8" else "")
+            f"{scheme.tag}"
             + f", kept {len(quant_report.get('kept_float', {}))} float")
     if tuning is not None:
         from .report import format_tuning

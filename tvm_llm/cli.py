@@ -84,8 +84,7 @@ def _perplexity(args) -> None:
     engine = Engine(args.output_dir, num_threads=args.threads)
     r = engine_perplexity(engine, text, window=args.window, max_windows=args.max_windows)
     q = engine.manifest.get("quantization") or {}
-    label = q.get("scheme", engine.manifest.get("dtype", "float32")) + (
-        " W8A8" if q.get("activations") == "int8" else "")
+    label = q.get("tag", engine.manifest.get("dtype", "float32"))
     print(f"{args.output_dir} ({label}): perplexity {r['perplexity']:.3f} over {r['tokens']} "
           f"tokens ({r['windows']} windows of {args.window})")
 

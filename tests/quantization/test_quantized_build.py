@@ -95,16 +95,18 @@ def test_q8_logits_cosine_against_float32(qbuild, checkpoint):
     assert _cosine(step, ref[n]) >= 0.999
 
 
-def test_w8a8_build_matches_its_simulation(qbuild, checkpoint):
-    pre, step, _ = _logits(qbuild("q8", activations="int8"))
+@pytest.mark.parametrize("quantization", ["q8", "q4"], ids=["w8a8", "w4a8"])
+def test_int8_activation_build_matches_its_simulation(quantization, qbuild, checkpoint):
+    pre, step, _ = _logits(qbuild(quantization, activations="int8"))
     model = _untied_model(checkpoint)
-    sim = _reference(model, parse_scheme("q8", activations="int8"))
+    sim = _reference(model, parse_scheme(quantization, activations="int8"))
     ref = _reference(model, None)
     n = len(PROMPT)
     # int8 rounding of activations can flip at exact ties between two float orders; the
     # simulation is otherwise the same arithmetic
     assert _cosine(pre, sim[:n]) > 0.99999 and _cosine(step, sim[n]) > 0.99999
-    assert _cosine(pre, ref[:n]) >= 0.999
+    if quantization == "q8":  # (q4 on random tiny weights is far from float32 either way)
+        assert _cosine(pre, ref[:n]) >= 0.999
 
 
 def test_stored_weights_and_report(qbuild, built):

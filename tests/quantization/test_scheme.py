@@ -11,9 +11,10 @@ from schedules.cpu import cpu_schedule_pass, workloads
 from tvm_llm.errors import UserError
 from tvm_llm.quantization import kernels
 from tvm_llm.quantization.scheme import (QuantScheme, dequantize_np, pack_q4_np, parse_scheme,
-                                         quantize_np, unpack_q4_np)
+                                         quantize_np, stored_np, unpack_q4_np)
 
-Q8, Q4, W8A8 = QuantScheme("q8"), QuantScheme("q4"), QuantScheme("q8", activations="int8")
+Q8, Q4 = QuantScheme("q8"), QuantScheme("q4")
+W8A8, W4A8 = QuantScheme("q8", activations="int8"), QuantScheme("q4", activations="int8")
 
 
 def _weights(N=48, K=128, seed=0):
@@ -73,20 +74,23 @@ def _run_te(fn, inputs, out_count):
     return [r.numpy() for r in res]
 
 
-@pytest.mark.parametrize("scheme", [Q8, Q4, W8A8])
+@pytest.mark.parametrize("scheme", [Q8, Q4, W8A8, W4A8], ids=["q8", "q4", "w8a8", "w4a8"])
 def test_build_time_quantize_kernel_equals_numpy_reference(scheme):
     w = _weights()
-    n_out = 3 if scheme.activations == "int8" else 2
-    got = _run_te(lambda t: kernels.quantize_weight(t, scheme), [w], n_out)
-    q, s = quantize_np(w, scheme)
-    if scheme.activations == "int8":
-        N, K = q.shape
-        assert np.array_equal(got[0], q.reshape(N // 16, 16, K // 4, 4).transpose(0, 2, 1, 3))
-        assert np.array_equal(got[1], s.reshape(N))
-        assert np.array_equal(got[2], q.astype(np.int64).sum(1))
-    else:
-        assert np.array_equal(got[0], pack_q4_np(q, 32) if scheme.bits == 4 else q)
-        assert np.array_equal(got[1], s)
+    want = stored_np(w, scheme)
+    got = _run_te(lambda t: kernels.quantize_weight(t, scheme), [w], len(want))
+    for g, e in zip(got, want):
+        assert g.shape == e.shape and np.array_equal(g, e)
+
+
+def test_w4a8_layout_holds_q_plus_8_in_vnni_tiles():
+    w = _weights()
+    q, _ = quantize_np(w, W4A8)
+    wp, ws = stored_np(w, W4A8)
+    # row 17 (tile 1, lane 1), input 32 + 4*3 + 2 (group 1, tile 3 = high nibble of chunk 1)
+    assert (wp[1, 1, 1, 1 * 4 + 2] >> 4) == q[17, 32 + 14] + 8
+    assert (wp[1, 1, 1, 1 * 4 + 2] & 15) == q[17, 32 + 10] + 8  # tile 2: low nibble
+    assert ws.shape == (3, 4, 16)
 
 
 def _scheduled_matmul(K, N, scheme, x_shape):
@@ -98,7 +102,13 @@ def _scheduled_matmul(K, N, scheme, x_shape):
           for i, t in enumerate(stored)]
     with bb.function("main", [x] + ws):
         with bb.dataflow():
-            if scheme.activations == "int8":
+            if scheme.tag == "w4a8":
+                from schedules.cpu.w4a8_matmul import w4a8_matmul_func
+
+                gv = bb.add_func(w4a8_matmul_func(K, N, scheme.group_size), "w4a8_matmul")
+                y = bb.emit(relax.call_tir(gv, relax.Tuple([x, *ws]),
+                                           out_ty=relax.TensorType(list(x_shape[:-1]) + [N], "float32")))
+            elif scheme.activations == "int8":
                 act = bb.emit(bb.call_te(kernels.quantize_activation, x))
                 y = bb.emit(bb.call_te(kernels.int8_matmul, relax.TupleGetItem(act, 0),
                                        relax.TupleGetItem(act, 1), *ws))
@@ -119,15 +129,10 @@ def _scheduled_matmul(K, N, scheme, x_shape):
 
 
 def _stored(w, scheme):
-    q, s = quantize_np(w, scheme)
-    if scheme.activations == "int8":
-        N, K = q.shape
-        return [q.reshape(N // 16, 16, K // 4, 4).transpose(0, 2, 1, 3).copy(), s.reshape(N),
-                q.astype(np.int32).sum(1, dtype=np.int32)]
-    return [pack_q4_np(q, scheme.group_size) if scheme.bits == 4 else q, s]
+    return stored_np(w, scheme)
 
 
-@pytest.mark.parametrize("scheme", [Q8, Q4, W8A8], ids=["q8", "q4", "w8a8"])
+@pytest.mark.parametrize("scheme", [Q8, Q4, W8A8, W4A8], ids=["q8", "q4", "w8a8", "w4a8"])
 @pytest.mark.parametrize("mode,rows", [("decode", 1), ("decode", 3), ("prefill", 7)])
 def test_scheduled_quantized_matmul_matches_reference(scheme, mode, rows):
     K, N = 192, 80
@@ -154,7 +159,7 @@ def test_parse_scheme_refuses_bad_combinations():
     assert parse_scheme("q4", keep_float="0, lm_head").keep_float == ("0", "lm_head")
     for kwargs, text in [(dict(quantization="q3"), "unknown --quantization"),
                          (dict(quantization="q4", group_size=24), "power of two"),
-                         (dict(quantization="q4", activations="int8"), "needs --quantization q8"),
+                         (dict(quantization="q4", activations="int8", group_size=4), "multiple of 8"),
                          (dict(quantization=None, keep_float="0"), "need --quantization"),
                          (dict(quantization="q8", activations="int4"), "unknown --activations")]:
         with pytest.raises(UserError, match=text):

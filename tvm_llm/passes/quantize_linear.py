@@ -7,6 +7,8 @@ as MergeParallelLinear's concatenation), into
     weight-only:  Wq, s = quantize_weight(W);      y = dequantize_matmul(x, Wq, s)
     W8A8:         Wq, s, r = quantize_weight(W);   xu, xs = quantize_activation(x)
                   y = int8_matmul(xu, xs, Wq, s, r)
+    W4A8:         Wp, s = quantize_weight(W);      y = w4a8_matmul(x, Wp, s)  (CPU VNNI kernel,
+                  schedules/cpu/w4a8_matmul.py, which quantizes x itself)
 
 `quantize_weight` reads only weights, so the folding phase lifts it into the build-time
 weight transform: the model ships Wq and s, never W. The dequantize is a producer block of the
@@ -104,8 +106,8 @@ class _Quantizer(PyExprMutator):
         x, w, N, K = parts
         names = self._source_names(w)
         key = ",".join(names)
-        ok = self.scheme.applies_to(K) and (self.scheme.activations != "int8" or
-                                             (N % kernels.VNNI_N == 0 and K % kernels.VNNI_K == 0))
+        ok = self.scheme.applies_to(K, N) and (self.scheme.tag != "w4a8" or (
+            x.ty.ndim == 3 and str(x.ty.dtype) == "float32"))
         if not ok or self.scheme.keeps_float(names):
             self.report.setdefault("kept_float", {})[key] = [N, K]
             return super().visit_call_(call)
@@ -115,11 +117,18 @@ class _Quantizer(PyExprMutator):
         out_dtype = call.attrs.out_dtype
         out_dtype = str(out_dtype) if out_dtype is not None and str(out_dtype) not in ("", "void") \
             else str(x.ty.dtype)
-        tag = self.scheme.name if self.scheme.activations == "float" else "w8a8"
+        tag = self.scheme.tag
         scheme = self.scheme
         stored = bb.emit(bb.call_te(lambda w: kernels.quantize_weight(w, scheme), w_new,
                                     primfunc_name_hint=f"quantize_weight_{tag}"))
         parts = [bb.emit(relax.TupleGetItem(stored, i)) for i in range(len(stored.ty.fields))]
+        if tag == "w4a8":
+            from schedules.cpu.w4a8_matmul import w4a8_matmul_func
+
+            gv = bb.add_func(w4a8_matmul_func(K, N, scheme.group_size, out_dtype), "w4a8_matmul")
+            shape = list(x.ty.shape)[:-1] + [N]
+            return relax.call_tir(gv, relax.Tuple([x_new, parts[0], parts[1]]),
+                                  out_ty=relax.TensorType(shape, out_dtype))
         if self.scheme.activations == "int8":
             act = bb.emit(bb.call_te(kernels.quantize_activation, x_new,
                                      primfunc_name_hint="quantize_activation"))

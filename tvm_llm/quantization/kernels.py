@@ -24,9 +24,9 @@ def _f32(e):
 
 
 def quantize_weight(w: te.Tensor, scheme: QuantScheme):
-    """Stored form of a weight (N, K): q8 -> (int8 (N, K), fp16 scales (N, K/G));
-    q4 -> (uint8 (N, K/G, G/2), fp16 scales); W8A8 -> (int8 (N/16, K/4, 16, 4),
-    fp32 row scales (N,), int32 row sums (N,))."""
+    """Stored form of a weight (N, K): q8 -> (int8 (N, K), scales (N, K/G));
+    q4 -> (uint8 (N, K/G, G/2), scales); W8A8 -> (int8 (N/16, K/4, 16, 4), row scales (N,),
+    int32 row sums (N,)); W4A8 -> (uint8 (N/16, K/G, G/8, 64), scales (N/16, K/G, 16))."""
     N, K = (int(s) for s in w.shape)
     G = scheme.group_for(K)
     NG = K // G
@@ -52,6 +52,18 @@ def quantize_weight(w: te.Tensor, scheme: QuantScheme):
         v = tirx.Select(s != 0.0, v, tirx.const(0.0, "float32"))
         return te.max(te.min(v, hi_q), lo_q)
 
+    if scheme.tag == "w4a8":  # layout of schedules/cpu/w4a8_matmul.py
+        def tile_byte(nt, g, c, e, t):  # tile t, byte e = i*4 + k -> q + 8 in [0, 15]
+            n = nt * VNNI_N + e // 4
+            return (q_at(n, g * G + t * 4 + e % 4) + 8.0).astype("int32")
+
+        wp = te.compute((N // VNNI_N, NG, G // 8, 64),
+                        lambda nt, g, c, e: (tile_byte(nt, g, c, e, 2 * c)
+                                             | (tile_byte(nt, g, c, e, 2 * c + 1) << 4)).astype("uint8"),
+                        name="weight_w4a8")
+        ws = te.compute((N // VNNI_N, NG, VNNI_N), lambda nt, g, i: scale[nt * VNNI_N + i, g],
+                        name="scale_w4a8")
+        return wp, ws
     if scheme.activations == "int8":
         q = te.compute((N // VNNI_N, K // VNNI_K, VNNI_N, VNNI_K),
                        lambda no, ko, ni, ki: q_at(no * VNNI_N + ni, ko * VNNI_K + ki).astype("int8"),

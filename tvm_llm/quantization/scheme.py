@@ -8,9 +8,12 @@ weights along K of each output row):
     q4  4-bit in [-8, 7], scale = w_absmax_signed / -8 (the largest-magnitude weight maps to
         -8 exactly, so all 16 levels are used); two weights per byte
 
-With `--activations int8` (W8A8, q8 only) the linear inputs are quantized per token at run
-time and the matmul runs int8 x int8 -> int32 (AVX-512 VNNI). Its weights use one scale per
-output row (group = all of K), because the int32 accumulation spans the whole row.
+With `--activations int8` the linear inputs are quantized per token at run time (one scale
+per row, max|x| / 127) and the matmul multiplies integers with AVX-512 VNNI (vpdpbusd):
+    q8 -> W8A8: int8 weights with one scale per output row (group = all of K): the int32
+          accumulation spans the whole row;
+    q4 -> W4A8: the q4 weights above (same groups and rounding); each group's int32 sum is
+          scaled by its weight scale in float (schedules/cpu/w4a8_matmul.py).
 
 The numpy functions here are the reference the kernels are tested against and what the
 sensitivity analysis uses to fake-quantize weights inside transformers.
@@ -49,12 +52,25 @@ class QuantScheme:
         bound); it adds 4 bytes per group of 32 (q4 0.625 bytes/weight, q8 1.125)."""
         return "float32"
 
+    @property
+    def tag(self) -> str:
+        """q8, q4, w8a8 or w4a8: names kernels and builds."""
+        if self.activations == "int8":
+            return "w8a8" if self.bits == 8 else "w4a8"
+        return self.name
+
     def group_for(self, K: int) -> int:
         """Group size used for a weight with K input features."""
-        return K if self.activations == "int8" else self.group_size
+        return K if self.tag == "w8a8" else self.group_size
 
-    def applies_to(self, K: int) -> bool:
-        return K % self.group_for(K) == 0 and (self.bits == 8 or self.group_for(K) % 2 == 0)
+    def applies_to(self, K: int, N: int | None = None) -> bool:
+        """Whether a (N, K) weight can be stored in this scheme (else it stays float)."""
+        G = self.group_for(K)
+        if K % G or (self.bits == 4 and G % 2):
+            return False
+        if self.activations == "int8" and N is not None:  # 16-row VNNI tiles, 4-byte steps
+            return N % 16 == 0 and K % 4 == 0 and (self.bits == 8 or G % 8 == 0)
+        return True
 
     def keeps_float(self, names: list) -> bool:
         """True when any of the checkpoint weight names behind a linear matches --keep-float."""
@@ -68,7 +84,7 @@ class QuantScheme:
         return False
 
     def describe(self) -> dict:
-        return {"scheme": self.name, "bits": self.bits, "group_size": self.group_size,
+        return {"scheme": self.name, "tag": self.tag, "bits": self.bits, "group_size": self.group_size,
                 "activations": self.activations, "keep_float": list(self.keep_float),
                 "scale_dtype": self.scale_dtype}
 
@@ -87,8 +103,8 @@ def parse_scheme(quantization: str | None, group_size: int = 32, activations: st
         raise UserError(f"unknown --quantization {quantization!r}: choose one of {', '.join(SCHEMES)}")
     if not isinstance(group_size, int) or group_size < 2 or group_size & (group_size - 1):
         raise UserError(f"--group-size must be a power of two >= 2, got {group_size!r}")
-    if activations == "int8" and quantization != "q8":
-        raise UserError("--activations int8 needs --quantization q8 (W8A8)")
+    if activations == "int8" and quantization == "q4" and group_size % 8:
+        raise UserError("--activations int8 with q4 needs --group-size a multiple of 8")
     if isinstance(keep_float, str):
         keep_float = [p.strip() for p in keep_float.split(",") if p.strip()]
     return QuantScheme(quantization, group_size, activations, tuple(keep_float or ()))
@@ -140,6 +156,36 @@ def unpack_q4_np(packed: np.ndarray) -> np.ndarray:
     lo = ((packed & 15).astype(np.int16) ^ 8) - 8
     hi = ((packed >> 4).astype(np.int16) ^ 8) - 8
     return np.concatenate([lo, hi], axis=-1).astype(np.int8).reshape(N, ng * half * 2)
+
+
+def pack_w4a8_np(q: np.ndarray, scale: np.ndarray, group: int):
+    """(wp, ws) in the W4A8 kernel's layout (schedules/cpu/w4a8_matmul.py): 16-row tiles,
+    per group G/8 chunks of 64 bytes holding two VNNI tiles (low / high nibbles) of q + 8."""
+    N, K = q.shape
+    NT, NG = N // 16, K // group
+    u = (q.astype(np.int16) + 8).astype(np.uint8)
+    tiles = u.reshape(NT, 16, NG, group // 4, 4).transpose(0, 2, 3, 1, 4).reshape(NT, NG, group // 4, 64)
+    wp = (tiles[:, :, 0::2, :] | (tiles[:, :, 1::2, :] << 4)).astype(np.uint8)
+    ws = scale.reshape(NT, 16, NG).transpose(0, 2, 1).astype(np.float32)
+    return np.ascontiguousarray(wp), np.ascontiguousarray(ws)
+
+
+def pack_w8a8_np(q: np.ndarray, scale: np.ndarray):
+    """(tiles, row scales, row sums) of the W8A8 kernel: (N/16, K/4, 16, 4) int8 tiles."""
+    N, K = q.shape
+    tiles = q.reshape(N // 16, 16, K // 4, 4).transpose(0, 2, 1, 3)
+    return (np.ascontiguousarray(tiles), scale.reshape(N).astype(np.float32),
+            q.astype(np.int32).sum(axis=1, dtype=np.int32))
+
+
+def stored_np(w: np.ndarray, scheme: QuantScheme) -> list:
+    """The arrays a build stores for weight w (what quantization/kernels.quantize_weight makes)."""
+    q, s = quantize_np(w, scheme)
+    if scheme.tag == "w8a8":
+        return list(pack_w8a8_np(q, s))
+    if scheme.tag == "w4a8":
+        return list(pack_w4a8_np(q, s, scheme.group_size))
+    return [pack_q4_np(q, scheme.group_size) if scheme.bits == 4 else q, s]
 
 
 def fake_quantize_np(w: np.ndarray, scheme: QuantScheme) -> np.ndarray:

@@ -41,9 +41,8 @@ class SensitivityReport:
         def pct(p):
             return f"{(p / base - 1) * 100:+.2f}%"
 
-        lines = [f"sensitivity to {self.scheme.name}"
-                 + (" W8A8" if self.scheme.activations == "int8" else "")
-                 + f" (group {self.scheme.group_size}), perplexity over {self.tokens} tokens",
+        group = "per row" if self.scheme.tag == "w8a8" else f"group {self.scheme.group_size}"
+        lines = [f"sensitivity to {self.scheme.tag} ({group}), perplexity over {self.tokens} tokens",
                  f"  float32                      ppl {base:9.3f}",
                  f"  everything quantized         ppl {self.all_perplexity:9.3f}  {pct(self.all_perplexity):>8}"
                  f"  logits cosine {self.all_cosine:.5f}",

@@ -109,6 +109,17 @@ def loop_extent(sch: s_tir.Schedule, loop) -> int | None:
     return const_int(sch.get(loop).extent)
 
 
+def decode_shaped(extents) -> bool:
+    """Loop extents of a decode step's kernel: a symbolic batch followed by a unit sequence
+    axis, e.g. (b, 1, 768). Its b is small (usually 1), so such kernels run on the calling
+    thread: a thread-pool launch per tiny kernel costs more than the work (about a hundred of
+    them run per token) and stalls the step whenever a worker was descheduled."""
+    for a, b in zip(extents, extents[1:]):
+        if a is None and b == 1:
+            return True
+    return False
+
+
 def largest_divisor(n: int, candidates) -> int:
     for c in candidates:
         if c >= 1 and n % c == 0:

@@ -12,8 +12,9 @@ Why the schedule is shaped so
       and vectorized; loads that are strided in that axis (transposes, the RoPE rotate-half
       gather) become gathers/shuffles, stores stay contiguous.
     * The remaining loops are fused and run in parallel when the kernel is large enough
-      (symbolic extents, or >= 16K elements); a decode-size kernel (one token) stays on the
-      calling thread, where a thread-pool launch would cost more than the work.
+      (symbolic token extents, or >= 16K elements); a decode-size kernel (one token per
+      sequence: shape (b, 1, ...)) stays on the calling thread, where a thread-pool launch
+      would cost more than the work.
 """
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def schedule_injective_block(sch: s_tir.Schedule, block, lanes: int):
             static *= e
     if outer_loops:
         fused = sch.fuse(*outer_loops) if len(outer_loops) > 1 else outer_loops[0]
-        if symbolic or static >= PARALLEL_MIN_ELEMENTS:
+        if static >= PARALLEL_MIN_ELEMENTS or (symbolic and not common.decode_shaped(exts)):
             sch.parallel(fused)
     if vec is not None:
         sch.vectorize(vec)

@@ -160,8 +160,10 @@ class RowReduction(ScheduleRule):
         # 2. Rows of the output block: fused, parallel; its row tail vectorized.
         out = sch.get_sblock(common.block_name(sch, out))
         loops = sch.get_loops(out)
+        row_exts = [common.loop_extent(sch, lp) for lp in loops[:nrows]]
         row = sch.fuse(*loops[:nrows]) if nrows > 1 else loops[0]
-        sch.parallel(row)
+        if not common.decode_shaped(row_exts):  # a decode step's few rows: calling thread
+            sch.parallel(row)
         common.vectorize_innermost(sch, out, lanes)
 
         # 3. Every other stage computed per row, in reverse order.

@@ -78,31 +78,59 @@ def w4a8_matmul_func(K: int, N: int, G: int, out_dtype: str = "float32") -> tvm.
                     total[0] = total[0] + part[l]
                 xsum[r, g] = total[0]
         # 2.-3. tiles of 16 rows in parallel
-        for nt in T.parallel(NT):
-            facc = T.alloc_buffer((A * B, TILE_N), "float32")
-            for r in range(A * B):
-                facc[r, T.Ramp(0, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
-            for g in range(NG):
-                tiles = T.alloc_buffer((2 * C,), "uint8x64", scope="local")
-                for c in T.unroll(C):
-                    packed = wp[nt, g, c, T.Ramp(0, 1, 64)]
-                    tiles[2 * c] = T.bitwise_and(packed, T.Broadcast(T.uint8(15), 64))
-                    tiles[2 * c + 1] = T.shift_right(packed, T.Broadcast(T.uint8(4), 64))
-                for r in range(A * B):
-                    # two accumulator chains (low / high nibble tiles) halve the latency
+        if A * B == 1:
+            # one row (a decode step of one sequence): the float accumulator stays in a register
+            for nt in T.parallel(NT):
+                fsum = T.alloc_buffer((1,), "float32x16", scope="local")
+                fsum[0] = T.Broadcast(T.float32(0), TILE_N)
+                for g in range(NG):
                     acc = T.alloc_buffer((2,), "int32x16", scope="local")
                     acc[0] = T.Broadcast(T.int32(0), TILE_N)
                     acc[1] = T.Broadcast(T.int32(0), TILE_N)
-                    for t in T.unroll(2 * C):
-                        a4 = T.reinterpret("int32", xq[r, T.Ramp(g * G + t * 4, 1, 4)])
-                        acc[t % 2] = T.call_llvm_pure_intrin(
-                            "int32x16", "llvm.x86.avx512.vpdpbusd.512", acc[t % 2], tiles[t],
-                            T.reinterpret("int8x64", T.Broadcast(a4, TILE_N)))
-                    corrected = acc[0] + acc[1] - T.Broadcast(xsum[r, g] * 8, TILE_N)
-                    facc[r, T.Ramp(0, 1, TILE_N)] = facc[r, T.Ramp(0, 1, TILE_N)] \
-                        + T.Cast("float32x16", corrected) * ws[nt, g, T.Ramp(0, 1, TILE_N)]
-            for r in range(A * B):
-                for i in T.vectorized(TILE_N):
-                    y[r // B, r % B, nt * TILE_N + i] = T.Cast(out_dtype, facc[r, i] * xscale[r])
+                    for c in T.unroll(C):
+                        packed = wp[nt, g, c, T.Ramp(0, 1, 64)]
+                        lo4 = T.reinterpret("int32", xq[0, T.Ramp(g * G + c * 8, 1, 4)])
+                        hi4 = T.reinterpret("int32", xq[0, T.Ramp(g * G + c * 8 + 4, 1, 4)])
+                        acc[0] = T.call_llvm_pure_intrin(
+                            "int32x16", "llvm.x86.avx512.vpdpbusd.512", acc[0],
+                            T.bitwise_and(packed, T.Broadcast(T.uint8(15), 64)),
+                            T.reinterpret("int8x64", T.Broadcast(lo4, TILE_N)))
+                        acc[1] = T.call_llvm_pure_intrin(
+                            "int32x16", "llvm.x86.avx512.vpdpbusd.512", acc[1],
+                            T.shift_right(packed, T.Broadcast(T.uint8(4), 64)),
+                            T.reinterpret("int8x64", T.Broadcast(hi4, TILE_N)))
+                    corrected = acc[0] + acc[1] - T.Broadcast(xsum[0, g] * 8, TILE_N)
+                    fsum[0] = fsum[0] + T.Cast("float32x16", corrected) \
+                        * ws[nt, g, T.Ramp(0, 1, TILE_N)]
+                y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = T.Cast(
+                    out_dtype + "x16", fsum[0] * T.Broadcast(xscale[0], TILE_N))
+        else:
+            # several rows: each group's tiles are unpacked once and reused for every row
+            for nt in T.parallel(NT):
+                facc = T.alloc_buffer((A * B, TILE_N), "float32")
+                for r in range(A * B):
+                    facc[r, T.Ramp(0, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
+                for g in range(NG):
+                    tiles = T.alloc_buffer((2 * C,), "uint8x64", scope="local")
+                    for c in T.unroll(C):
+                        packed = wp[nt, g, c, T.Ramp(0, 1, 64)]
+                        tiles[2 * c] = T.bitwise_and(packed, T.Broadcast(T.uint8(15), 64))
+                        tiles[2 * c + 1] = T.shift_right(packed, T.Broadcast(T.uint8(4), 64))
+                    for r in range(A * B):
+                        # two accumulator chains (low / high nibble tiles) halve the latency
+                        acc = T.alloc_buffer((2,), "int32x16", scope="local")
+                        acc[0] = T.Broadcast(T.int32(0), TILE_N)
+                        acc[1] = T.Broadcast(T.int32(0), TILE_N)
+                        for t in T.unroll(2 * C):
+                            a4 = T.reinterpret("int32", xq[r, T.Ramp(g * G + t * 4, 1, 4)])
+                            acc[t % 2] = T.call_llvm_pure_intrin(
+                                "int32x16", "llvm.x86.avx512.vpdpbusd.512", acc[t % 2], tiles[t],
+                                T.reinterpret("int8x64", T.Broadcast(a4, TILE_N)))
+                        corrected = acc[0] + acc[1] - T.Broadcast(xsum[r, g] * 8, TILE_N)
+                        facc[r, T.Ramp(0, 1, TILE_N)] = facc[r, T.Ramp(0, 1, TILE_N)] \
+                            + T.Cast("float32x16", corrected) * ws[nt, g, T.Ramp(0, 1, TILE_N)]
+                for r in range(A * B):
+                    for i in T.vectorized(TILE_N):
+                        y[r // B, r % B, nt * TILE_N + i] = T.Cast(out_dtype, facc[r, i] * xscale[r])
 
     return w4a8_matmul

@@ -58,3 +58,25 @@ def test_ragged_batch_decodes_like_each_prompt_alone(arch, built):
     assert all(len(t) == 12 for t in together)
     assert eng.cache.sequences == {}  # every sequence returned its pages
     assert eng.cache.free_pages() == eng.cache.total_pages
+
+
+def test_float16_build_runs_with_a_float16_kv_cache(checkpoint, hf_model, tmp_path):
+    """TVM's importer computes linears in float32 inside a float16 model; q/k/v are cast to the
+    float16 cache on the way in (GPU builds default to float16, so this path must run)."""
+    import tvm_llm
+
+    out = str(tmp_path / "out16")
+    tvm_llm.build(checkpoint("llama"), out, dtype="float16", max_batch_size=2,
+                  prefill_chunk_size=64, log=lambda *a: None)
+    eng = _engine(out)
+    prompt = _prompt(11, seed=3)
+    sid = eng.cache.add()
+    n = len(prompt)
+    pre = eng.prefill_positions([sid], [n], np.array([prompt]), np.arange(n)[None], np.arange(n))[0]
+    step = eng.decode_step([sid], [int(pre[-1].argmax())])[0]
+    eng.cache.remove(sid)
+    with torch.no_grad():
+        ref = hf_model("llama")(torch.tensor([prompt + [int(pre[-1].argmax())]])).logits[0].numpy()
+    for got, want in ((pre, ref[:n]), (step, ref[n])):
+        cos = float((got * want).sum() / np.sqrt((got * got).sum() * (want * want).sum()))
+        assert cos > 0.999, cos

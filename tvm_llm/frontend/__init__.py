@@ -25,7 +25,7 @@ def import_model(model, *, dtype: str, context_window: int, max_batch_size: int,
     use_paged_attention(model, context_window)
     ep = export_logits_model(model, max_seq=max(context_window, prefill_chunk_size))
     vocab = model.config.get_text_config().vocab_size
-    imported = to_relax(ep, vocab)
+    imported = to_relax(ep, vocab, dtype)
     mod = specialize(imported.mod, max_batch=max_batch_size, max_tokens=prefill_chunk_size)
     imported.mod = add_kv_cache_creation(mod, imported.attention, dtype, target)
     return imported

@@ -43,7 +43,10 @@ class ImportedModel:
     relax_names: dict = field(default_factory=dict)  # Relax param name -> checkpoint name
 
 
-def _attention_converter(layers: dict, cache_var):
+def _attention_converter(layers: dict, cache_var, cache_dtype: str | None = None):
+    """`cache_dtype`: the KV cache's dtype (the build dtype). TVM's torch importer computes
+    linears in float32 even in a float16/bfloat16 model, so q/k/v may arrive as float32: they
+    are cast to the cache's dtype on the way in, and the output back."""
     from tvm import relax as rx
 
     def convert(node, importer):
@@ -60,10 +63,15 @@ def _attention_converter(layers: dict, cache_var):
         qkv = bb.emit(rx.op.concat([bb.emit(rx.op.permute_dims(t, [0, 2, 1, 3])) for t in (q, k, v)],
                                    axis=2))
         qkv = bb.emit(rx.op.reshape(qkv, [b * s, nh + 2 * nkv, d]))
+        dtype = str(cache_dtype or q.ty.dtype)
+        if str(q.ty.dtype) != dtype:
+            qkv = bb.emit(rx.op.astype(qkv, dtype))
         out = bb.emit(rx.call_dps_packed(
             "vm.builtin.attention_kv_cache_attention_with_fused_qkv",
             [cache_var, rx.prim_value(layer_id), rx.prim_value(scale), qkv],
-            out_ty=rx.TensorType([b * s, nh, d], q.ty.dtype)))
+            out_ty=rx.TensorType([b * s, nh, d], dtype)))
+        if str(q.ty.dtype) != dtype:
+            out = bb.emit(rx.op.astype(out, q.ty.dtype))
         return bb.emit(rx.op.reshape(out, [b, s, nh, d]))
 
     return {"paged_attention.default": convert}
@@ -82,7 +90,7 @@ def _weight_sources(ep) -> dict:
     return out
 
 
-def to_relax(ep, vocab_size: int) -> ImportedModel:
+def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
     """Convert the exported program into the forward Relax function (one symbolic batch/seq)."""
     import tvm
     from tvm import relax as rx
@@ -91,7 +99,7 @@ def to_relax(ep, vocab_size: int) -> ImportedModel:
     layers: dict = {}
     cache_var = rx.Var("paged_kv_cache", rx.ObjectType())
     mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,
-                                custom_convert_map=_attention_converter(layers, cache_var))
+                                custom_convert_map=_attention_converter(layers, cache_var, dtype))
     func = mod["main"]
     n_in = int(func.attrs["num_input"])
     sources = _weight_sources(ep)

@@ -84,6 +84,8 @@ class _Quantizer(PyExprMutator):
             return None
         x, rhs = call.args
         rhs = self.bindings.get(rhs, rhs)
+        if _is_op(rhs, "relax.astype"):  # float16 models: astype(permute_dims(W), float32)
+            rhs = self.bindings.get(rhs.args[0], rhs.args[0])
         if not _is_op(rhs, "relax.permute_dims"):
             return None
         w = rhs.args[0]

@@ -218,11 +218,12 @@ def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target):
                                       "support_sliding_window": int,
                                       "$": {"param_mode": "none", "effect_mode": "none"}}}
     kv_mod, _ = CacheFactory().export_tvm(spec=spec)
-    if target.kind.name == "llvm":  # TVM's CPU decode attention is scalar and serial
-        from schedules.cpu.attention import decode_attention_func
+    if target.kind.name == "llvm":  # TVM's CPU attention kernels are scalar and serial
+        from schedules.cpu.attention import decode_attention_func, prefill_ragged_attention_func
 
-        kv_mod["batch_decode_paged_kv_cpu"] = decode_attention_func(
-            attn.num_kv_heads, attn.num_heads, attn.head_dim, dtype)
+        shape = (attn.num_kv_heads, attn.num_heads, attn.head_dim, dtype)
+        kv_mod["batch_decode_paged_kv_cpu"] = decode_attention_func(*shape)
+        kv_mod["batch_prefill_ragged_kv"] = prefill_ragged_attention_func(*shape)
     for gv, func in mod.functions_items():
         kv_mod[gv.name_hint] = func
     return kv_mod

@@ -108,8 +108,9 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
 
     log(f"[tvm-llm] loading {model_dir} ({config.model_type}, {dtype})")
     model = load_model(model_dir, config, dtype)
-    planner.check_weights_fit(budget, sum(p.numel() for p in model.parameters())
-                              * kv_budget.dtype_bytes(dtype), spec.device_type)
+    if scheme is None:  # quantized weights are sized by the plan, after the passes
+        planner.check_weights_fit(budget, sum(p.numel() for p in model.parameters())
+                                  * kv_budget.dtype_bytes(dtype), spec.device_type)
     log("[tvm-llm] tracing with torch.export and importing into Relax")
     t0 = time.perf_counter()
     imported = import_model(model, dtype=dtype, context_window=context_window,

@@ -44,7 +44,9 @@ def _plan(args) -> None:
                            max_batch_size=args.max_batch_size,
                            prefill_chunk_size=args.prefill_chunk_size, page_size=args.page_size,
                            kv_cache_tokens=args.kv_cache_tokens,
-                           log=(lambda *a: print(*a, file=sys.stderr)))
+                           log=(lambda *a: print(*a, file=sys.stderr)),
+                           quantization=args.quantization, group_size=args.group_size,
+                           activations=args.activations, keep_float=args.keep_float)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_memory(plan.to_dict()))
 
 
@@ -239,6 +241,8 @@ def make_parser() -> argparse.ArgumentParser:
     pl.add_argument("--prefill-chunk-size", type=_positive_int, default=512)
     pl.add_argument("--page-size", type=_positive_int, default=16)
     pl.add_argument("--kv-cache-tokens", type=_positive_int, default=None)
+    _add_quantization_args(pl)
+    pl.add_argument("--keep-float", default=None, metavar="LAYERS")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=_plan)
 

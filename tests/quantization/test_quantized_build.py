@@ -169,3 +169,13 @@ def test_quantized_cuda_cross_build(checkpoint, tmp_path):
                       quantization="q4", log=lambda *a: None)
     assert m["quantization"]["tag"] == "q4" and len(m["quantization"]["quantized"]) == 9
     assert any(p["dtype"] == "uint8" for p in m["params"])
+
+
+def test_plan_sizes_quantized_weights_as_the_build_stores_them(qbuild, checkpoint):
+    from tvm_llm.memory import plan_checkpoint
+
+    m = json.load(open(os.path.join(qbuild("q4"), "manifest.json")))
+    plan = plan_checkpoint(checkpoint("llama"), quantization="q4", max_batch_size=4,
+                           prefill_chunk_size=64, log=lambda *a: None).to_dict()
+    assert plan["weights"] == m["memory"]["weights"]
+    assert "uint8" in plan["weights"]["by_dtype"]

@@ -318,16 +318,21 @@ def plan_memory(mod=None, *, weights=None, activations: ActivationPlan | None = 
 def plan_checkpoint(model_dir: str, target: str = "llvm", arch: str | None = None,
                     dtype: str | None = None, max_memory=None, context_window: int | None = None,
                     max_batch_size: int = 8, prefill_chunk_size: int = 512, page_size: int = 16,
-                    kv_cache_tokens: int | None = None, log=print) -> MemoryPlan:
+                    kv_cache_tokens: int | None = None, log=print, quantization: str | None = None,
+                    group_size: int = 32, activations: str | None = None,
+                    keep_float=None) -> MemoryPlan:
     """`tvm-llm plan`: import the checkpoint and run the Relax passes through the static
-    memory plan, then plan; no kernel is compiled (no tvm.compile, no codegen)."""
+    memory plan, then plan; no kernel is compiled (no tvm.compile, no codegen). The
+    quantization options size the weights as `tvm-llm build` with them stores them."""
     from ..build import DTYPES
     from ..frontend import import_model, load_model, read_config
     from ..passes.pipeline import run_pipeline
+    from ..quantization import parse_scheme
     from ..targets import get_target
     from .kv_budget import device_memory_bytes, parse_budget
 
     spec = get_target(target, arch=arch)
+    scheme = parse_scheme(quantization, group_size, activations, keep_float)
     dtype = dtype or spec.default_dtype
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -346,15 +351,17 @@ def plan_checkpoint(model_dir: str, target: str = "llvm", arch: str | None = Non
                         f"max_position_embeddings ({max_pos})")
     log(f"[tvm-llm] loading {model_dir} ({config.model_type}, {dtype})")
     model = load_model(model_dir, config, dtype)
-    check_weights_fit(budget, sum(p.numel() for p in model.parameters()) * dtype_bytes(dtype),
-                      spec.device_type)
+    if scheme is None:  # quantized weights are sized after the passes
+        check_weights_fit(budget, sum(p.numel() for p in model.parameters()) * dtype_bytes(dtype),
+                          spec.device_type)
     log("[tvm-llm] importing and running the Relax passes up to the static memory plan")
     imported = import_model(model, dtype=dtype,
                             context_window=context_window or min(max_pos or DEFAULT_CONTEXT, DEFAULT_CONTEXT),
                             max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
                             target=spec.tvm_target())
     del model
-    mod = run_pipeline(imported.mod, spec)[0]
+    mod = run_pipeline(imported.mod, spec, quantization=scheme,
+                       checkpoint_names=imported.relax_names)[0]
     attn = imported.attention
     return plan_memory(mod, vocab_size=imported.vocab_size,
                        num_layers=attn.num_layers, num_heads=attn.num_heads,

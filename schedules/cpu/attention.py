@@ -30,10 +30,68 @@ def _lanes(D: int) -> int:
     return 1
 
 
+def _online_softmax_macros(G: int, D: int, L: int, dtype: str):
+    """The per-(row, KV head) attention steps both kernels share, as TVMScript macros over
+    local buffers q (G, D), o (G, D), m (G,), den (G,), s (16,), part (L,), mx (1,):
+
+    * start: load the G query rows (pre-scaled by sm_scale * log2 e), zero the state;
+    * block: score `ntok` keys (vectorized dot products), one online-softmax rescale, add the
+      weighted value rows; keys and values are read through flat views of the cache, token t
+      at `base + t * stride` (the paged cache and the ragged K/V lay tokens out differently);
+    * finish: normalize, write the output rows and their log2-sum-exp.
+    """
+
+    @T.macro
+    def start(q, o, m, den, Q, q_row, q_head0, sm_scale):
+        for g in range(G):
+            for d in T.vectorized(D):
+                q[g, d] = T.Cast("float32", Q[q_row, q_head0 + g, d]) * (sm_scale * T.float32(LOG2E))
+                o[g, d] = T.float32(0)
+            m[g] = T.float32(-5e4)
+            den[g] = T.float32(0)
+
+    @T.macro
+    def block(q, o, m, den, s, part, mx, K, V, k_base, v_base, stride, ntok):
+        for g in range(G):
+            mx[0] = m[g]
+            for t in range(ntok):
+                for l in T.vectorized(L):
+                    part[l] = T.float32(0)
+                for d0 in range(D // L):
+                    for l in T.vectorized(L):
+                        part[l] = part[l] + q[g, d0 * L + l] * T.Cast(
+                            "float32", K[k_base + t * stride + d0 * L + l])
+                s[t] = T.float32(0)
+                for l in range(L):
+                    s[t] = s[t] + part[l]
+                mx[0] = T.max(mx[0], s[t])
+            rescale = T.exp2(m[g] - mx[0])
+            den[g] = den[g] * rescale
+            for d in T.vectorized(D):
+                o[g, d] = o[g, d] * rescale
+            for t in range(ntok):
+                e = T.exp2(s[t] - mx[0])
+                den[g] = den[g] + e
+                for d in T.vectorized(D):
+                    o[g, d] = o[g, d] + e * T.Cast("float32", V[v_base + t * stride + d])
+            m[g] = mx[0]
+
+    @T.macro
+    def finish(o, m, den, out, lse, q_row, q_head0):
+        for g in range(G):
+            inv = T.Select(den[g] > T.float32(0), T.float32(1) / den[g], T.float32(0))
+            for d in T.vectorized(D):
+                out[q_row, q_head0 + g, d] = T.Cast(dtype, o[g, d] * inv)
+            lse[q_row, q_head0 + g] = T.Select(den[g] > T.float32(0), m[g] + T.log2(den[g]), m[g])
+
+    return start, block, finish
+
+
 def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str):
     H_kv, H_qo, D = num_kv_heads, num_qo_heads, head_dim
     G = H_qo // H_kv
     L = _lanes(D)
+    start, block, finish = _online_softmax_macros(G, D, L, dtype)
 
     @T.prim_func(check_well_formed=False)
     def decode_attention(Q_handle: T.handle, pages_handle: T.handle,
@@ -66,6 +124,7 @@ def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, d
         lse = T.match_buffer(lse_handle, (B, H_qo), "float32")
         last_page_len = T.match_buffer(var_length_info, (B,), "int32",
                                        elem_offset=length_info_elem_offset)
+        flat = T.decl_buffer((max_num_pages * 2 * H_kv * PAGE * D,), dtype, data=pages.data)
 
         for bh in T.parallel(B * H_kv):
             q = T.alloc_buffer((G, D), "float32", scope="local")
@@ -75,47 +134,18 @@ def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, d
             s = T.alloc_buffer((PAGE,), "float32", scope="local")
             part = T.alloc_buffer((L,), "float32", scope="local")
             mx = T.alloc_buffer((1,), "float32", scope="local")
-            for g in range(G):
-                for d in T.vectorized(D):
-                    q[g, d] = T.Cast("float32", Q[bh // H_kv, bh % H_kv * G + g, d]) \
-                        * (sm_scale * T.float32(LOG2E))
-                    o[g, d] = T.float32(0)
-                m[g] = T.float32(-5e4)
-                den[g] = T.float32(0)
-            begin = page_table_indptr[bh // H_kv]
-            npages = page_table_indptr[bh // H_kv + 1] - begin
+            b = bh // H_kv
+            hk = bh % H_kv
+            start(q, o, m, den, Q, b, hk * G, sm_scale)
+            begin = page_table_indptr[b]
+            npages = page_table_indptr[b + 1] - begin
             for p in range(npages):
                 page = page_table_values[begin + p]
-                ntok = T.Select(p == npages - 1, last_page_len[bh // H_kv], PAGE)
-                for g in range(G):
-                    mx[0] = m[g]
-                    for t in range(ntok):
-                        for l in T.vectorized(L):
-                            part[l] = T.float32(0)
-                        for d0 in range(D // L):
-                            for l in T.vectorized(L):
-                                part[l] = part[l] + q[g, d0 * L + l] * T.Cast(
-                                    "float32", pages[page, 0, bh % H_kv, t, d0 * L + l])
-                        s[t] = T.float32(0)
-                        for l in range(L):
-                            s[t] = s[t] + part[l]
-                        mx[0] = T.max(mx[0], s[t])
-                    rescale = T.exp2(m[g] - mx[0])
-                    den[g] = den[g] * rescale
-                    for d in T.vectorized(D):
-                        o[g, d] = o[g, d] * rescale
-                    for t in range(ntok):
-                        e = T.exp2(s[t] - mx[0])
-                        den[g] = den[g] + e
-                        for d in T.vectorized(D):
-                            o[g, d] = o[g, d] + e * T.Cast("float32", pages[page, 1, bh % H_kv, t, d])
-                    m[g] = mx[0]
-            for g in range(G):
-                inv = T.Select(den[g] > T.float32(0), T.float32(1) / den[g], T.float32(0))
-                for d in T.vectorized(D):
-                    output[bh // H_kv, bh % H_kv * G + g, d] = T.Cast(dtype, o[g, d] * inv)
-                lse[bh // H_kv, bh % H_kv * G + g] = T.Select(
-                    den[g] > T.float32(0), m[g] + T.log2(den[g]), m[g])
+                ntok = T.Select(p == npages - 1, last_page_len[b], PAGE)
+                k_base = ((page * 2 + 0) * H_kv + hk) * PAGE * D
+                v_base = ((page * 2 + 1) * H_kv + hk) * PAGE * D
+                block(q, o, m, den, s, part, mx, flat, flat, k_base, v_base, D, ntok)
+            finish(o, m, den, output, lse, b, hk * G)
 
     return decode_attention
 
@@ -134,6 +164,7 @@ def prefill_ragged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim
     G = H_qo // H_kv
     L = _lanes(D)
     BLK = 16
+    start, block, finish = _online_softmax_macros(G, D, L, dtype)
 
     @T.prim_func(check_well_formed=False)
     def prefill_ragged_attention(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle,
@@ -164,6 +195,8 @@ def prefill_ragged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim
                                            elem_offset=k_rope_pos_offset_elem_offset)
         output = T.match_buffer(var_output, (qo_len, H_qo, D), dtype)
         lse = T.match_buffer(var_lse, (qo_len, H_qo), "float32")
+        k_flat = T.decl_buffer((kv_len * H_kv * D,), dtype, data=k.data)
+        v_flat = T.decl_buffer((kv_len * H_kv * D,), dtype, data=v.data)
 
         for item in T.parallel((qo_len + 1) // 2 * 2 * H_kv):
             qbuf = T.alloc_buffer((G, D), "float32", scope="local")
@@ -188,44 +221,11 @@ def prefill_ragged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim
                 n_kv = kv_indptr[b + 1] - kv_indptr[b]
                 n_q = q_indptr[b + 1] - q_indptr[b]
                 limit = T.Select(causal > 0, T.min(n_kv, n_kv - n_q + q_idx + 1), n_kv)
-                k0 = kv_indptr[b]
-                for g in range(G):
-                    for d in T.vectorized(D):
-                        qbuf[g, d] = T.Cast("float32", q[row, hk * G + g, d]) \
-                            * (sm_scale * T.float32(LOG2E))
-                        o[g, d] = T.float32(0)
-                    m[g] = T.float32(-5e4)
-                    den[g] = T.float32(0)
+                start(qbuf, o, m, den, q, row, hk * G, sm_scale)
                 for blk in range((limit + BLK - 1) // BLK):
-                    ntok = T.min(BLK, limit - blk * BLK)
-                    for g in range(G):
-                        mx[0] = m[g]
-                        for t in range(ntok):
-                            for l in T.vectorized(L):
-                                part[l] = T.float32(0)
-                            for d0 in range(D // L):
-                                for l in T.vectorized(L):
-                                    part[l] = part[l] + qbuf[g, d0 * L + l] * T.Cast(
-                                        "float32", k[k0 + blk * BLK + t, hk, d0 * L + l])
-                            s[t] = T.float32(0)
-                            for l in range(L):
-                                s[t] = s[t] + part[l]
-                            mx[0] = T.max(mx[0], s[t])
-                        rescale = T.exp2(m[g] - mx[0])
-                        den[g] = den[g] * rescale
-                        for d in T.vectorized(D):
-                            o[g, d] = o[g, d] * rescale
-                        for t in range(ntok):
-                            e = T.exp2(s[t] - mx[0])
-                            den[g] = den[g] + e
-                            for d in T.vectorized(D):
-                                o[g, d] = o[g, d] + e * T.Cast("float32", v[k0 + blk * BLK + t, hk, d])
-                        m[g] = mx[0]
-                for g in range(G):
-                    inv = T.Select(den[g] > T.float32(0), T.float32(1) / den[g], T.float32(0))
-                    for d in T.vectorized(D):
-                        output[row, hk * G + g, d] = T.Cast(dtype, o[g, d] * inv)
-                    lse[row, hk * G + g] = T.Select(den[g] > T.float32(0),
-                                                    m[g] + T.log2(den[g]), m[g])
+                    base = ((kv_indptr[b] + blk * BLK) * H_kv + hk) * D
+                    block(qbuf, o, m, den, s, part, mx, k_flat, v_flat, base, base, H_kv * D,
+                          T.min(BLK, limit - blk * BLK))
+                finish(o, m, den, output, lse, row, hk * G)
 
     return prefill_ragged_attention

@@ -16,23 +16,7 @@ import tvm_ffi
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .common import relax_function_pass, weight_params
-
-
-def _linear_parts(value, weights: set, bindings: dict):
-    """(x, W) if value is matmul(x, permute_dims(W)) with W a 2-D weight parameter (the
-    permute_dims may be bound to a variable of the same block)."""
-    if not (isinstance(value, relax.Call) and getattr(value.op, "name", "") == "relax.matmul"):
-        return None
-    x, rhs = value.args
-    rhs = bindings.get(rhs, rhs)
-    if not (isinstance(rhs, relax.Call) and getattr(rhs.op, "name", "") == "relax.permute_dims"):
-        return None
-    w = rhs.args[0]
-    axes = rhs.attrs.axes
-    if w not in weights or len(w.ty.shape) != 2 or (axes is not None and [int(a) for a in axes] != [1, 0]):
-        return None
-    return x, w
+from .common import linear_parts, relax_function_pass, weight_params
 
 
 def _bias_of(var, uses: dict, bindings: dict, weights: set):
@@ -84,7 +68,7 @@ def find_groups(func: relax.Function, weights: set) -> list:
                 uses.setdefault(v, []).append(b.var)
         by_input: dict = {}
         for b in block.bindings:
-            parts = _linear_parts(b.value, weights, bindings)
+            parts = linear_parts(b.value, weights, bindings)
             if parts is None:
                 continue
             x, w = parts

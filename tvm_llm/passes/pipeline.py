@@ -15,14 +15,15 @@ PHASES = ("import_cleanup", "fusion", "folding", "lowering", "scheduling", "fina
 
 def phase_passes(target_spec, disabled: frozenset = frozenset(), tuning_log: str | None = None,
                  tuning_report: dict | None = None, quantization=None,
+                 checkpoint_names: dict | None = None,
                  quant_report: dict | None = None) -> list[tuple[str, list]]:
     """(phase name, passes) in order for `target_spec`. Phases in `disabled` are left empty
     where skipping them keeps the module compilable (used by the ablation benchmark).
     With `tuning_log`, scheduling starts by applying that MetaSchedule log (tvm_llm.tune),
     before our rules, and fills `tuning_report`. With `quantization` (a
-    quantization.scheme.QuantScheme, plus the checkpoint names in `quant_report["names"]`),
-    fusion quantizes the linear layers after merging them; `quant_report` gets what was
-    quantized."""
+    quantization.scheme.QuantScheme; `checkpoint_names` maps Relax parameter names to the
+    checkpoint's, for --keep-float), fusion quantizes the linear layers after merging them;
+    `quant_report` gets what was quantized."""
     from tvm import relax
 
     from .fold_identity_take import FoldIdentityTake
@@ -37,7 +38,7 @@ def phase_passes(target_spec, disabled: frozenset = frozenset(), tuning_log: str
                            relax.transform.EliminateCommonSubexpr(),
                            relax.transform.DeadCodeElimination(entry)],
         "fusion": [UnflattenLinear(), MergeParallelLinear(), FuseRMSNorm()]
-                  + _quantize_passes(quantization, quant_report)
+                  + _quantize_passes(quantization, checkpoint_names, quant_report)
                   + [relax.transform.FuseTransposeMatmul()],
         "folding": [relax.transform.FoldConstant(), LiftWeightTransforms(),
                     relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(entry + ["transform_params"])],
@@ -54,13 +55,12 @@ def phase_passes(target_spec, disabled: frozenset = frozenset(), tuning_log: str
             for name in PHASES]
 
 
-def _quantize_passes(quantization, report) -> list:
+def _quantize_passes(quantization, checkpoint_names, report) -> list:
     if quantization is None:
         return []
     from .quantize_linear import QuantizeLinear
 
-    report = {} if report is None else report
-    return [QuantizeLinear(quantization, report.pop("names", {}), report)]
+    return [QuantizeLinear(quantization, checkpoint_names, report)]
 
 
 def _tuning_passes(target_spec, tuning_log, report) -> list:
@@ -153,11 +153,12 @@ def run_pipeline(mod, target_spec, dump_dir: str | None = None,
     weight_transforms = []
     target = target_spec.tvm_target()
     tuning: dict = {}
-    quant: dict = {"names": dict(checkpoint_names or {})}
+    quant: dict = {}
     calls_before = sum(count_ops(mod).values())
     with target, tvm.transform.PassContext(opt_level=3, config=target_spec.pass_context_config()):
         for i, (name, passes) in enumerate(phase_passes(target_spec, disabled, tuning_log, tuning,
-                                                                   quantization, quant)):
+                                                                   quantization, checkpoint_names,
+                                                                   quant)):
             t0 = time.perf_counter()
             pass_seconds = {}
             for p in passes:  # one at a time, so the report can say what each pass cost
@@ -176,7 +177,7 @@ def run_pipeline(mod, target_spec, dump_dir: str | None = None,
                            "skipped": not passes, "passes": pass_seconds})
             calls_before = sum(ops.values())
             if name == "fusion" and quantization is not None:
-                report[-1]["quantization"] = {k: v for k, v in quant.items() if k != "names"}
+                report[-1]["quantization"] = quant
             if name == "scheduling" and tuning:
                 report[-1]["tuning"] = tuning
             if dump_dir:

@@ -25,13 +25,9 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..quantization import kernels
 from ..quantization.scheme import QuantScheme
-from .common import weight_params
+from .common import is_op, linear_parts, weight_params
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
-
-
-def _is_op(expr, name):
-    return isinstance(expr, relax.Call) and getattr(expr.op, "name", "") == name
 
 
 @mutator
@@ -51,7 +47,7 @@ class _Quantizer(PyExprMutator):
         self.embedding_tables = set()
 
         def visit(e):
-            if _is_op(e, "relax.take"):
+            if is_op(e, "relax.take"):
                 self.embedding_tables.add(e.args[0])
 
         relax.analysis.post_order_visit(func, visit)
@@ -80,20 +76,10 @@ class _Quantizer(PyExprMutator):
         return sorted(set(names))
 
     def _linear(self, call):
-        if not _is_op(call, "relax.matmul"):
+        parts = linear_parts(call, self.weights, self.bindings, through_astype=True)
+        if parts is None:
             return None
-        x, rhs = call.args
-        rhs = self.bindings.get(rhs, rhs)
-        if _is_op(rhs, "relax.astype"):  # float16 models: astype(permute_dims(W), float32)
-            rhs = self.bindings.get(rhs.args[0], rhs.args[0])
-        if not _is_op(rhs, "relax.permute_dims"):
-            return None
-        w = rhs.args[0]
-        axes = rhs.attrs.axes
-        if axes is not None and [int(a) for a in axes] != [1, 0]:
-            return None
-        if w not in self.weights or w.ty.shape is None or len(w.ty.shape) != 2:
-            return None
+        x, w = parts
         if str(w.ty.dtype) not in FLOAT_DTYPES or str(x.ty.dtype) not in FLOAT_DTYPES:
             return None
         shape = list(w.ty.shape)
@@ -119,26 +105,34 @@ class _Quantizer(PyExprMutator):
         out_dtype = call.attrs.out_dtype
         out_dtype = str(out_dtype) if out_dtype is not None and str(out_dtype) not in ("", "void") \
             else str(x.ty.dtype)
-        tag = self.scheme.tag
         scheme = self.scheme
         stored = bb.emit(bb.call_te(lambda w: kernels.quantize_weight(w, scheme), w_new,
-                                    primfunc_name_hint=f"quantize_weight_{tag}"))
+                                    primfunc_name_hint=f"quantize_weight_{scheme.tag}"))
         parts = [bb.emit(relax.TupleGetItem(stored, i)) for i in range(len(stored.ty.fields))]
-        if tag == "w4a8":
-            from schedules.cpu.w4a8_matmul import w4a8_matmul_func
+        return emit_quantized_matmul(bb, x_new, parts, scheme, K, N, out_dtype)
 
-            gv = bb.add_func(w4a8_matmul_func(K, N, scheme.group_size, out_dtype), "w4a8_matmul")
-            shape = list(x.ty.shape)[:-1] + [N]
-            return relax.call_tir(gv, relax.Tuple([x_new, parts[0], parts[1]]),
-                                  out_ty=relax.TensorType(shape, out_dtype))
-        if self.scheme.activations == "int8":
-            act = bb.emit(bb.call_te(kernels.quantize_activation, x_new,
-                                     primfunc_name_hint="quantize_activation"))
-            xu, xs = bb.emit(relax.TupleGetItem(act, 0)), bb.emit(relax.TupleGetItem(act, 1))
-            return bb.call_te(lambda *a: kernels.int8_matmul(*a, out_dtype=out_dtype), xu, xs,
-                              *parts, primfunc_name_hint="int8_matmul")
-        return bb.call_te(lambda a, q, s: kernels.dequantize_matmul(a, q, s, scheme, out_dtype),
-                          x_new, parts[0], parts[1], primfunc_name_hint=f"{tag}_matmul")
+
+def emit_quantized_matmul(bb, x, stored: list, scheme: QuantScheme, K: int, N: int,
+                          out_dtype: str):
+    """The expression y = x @ W^T for a weight W held as `stored` (the tensors
+    quantization.kernels.quantize_weight makes of it): what the pass emits, and what the
+    kernel benchmark and tests build around the same kernels."""
+    tag = scheme.tag
+    if tag == "w4a8":
+        from schedules.cpu.w4a8_matmul import w4a8_matmul_func
+
+        gv = bb.add_func(w4a8_matmul_func(K, N, scheme.group_size, out_dtype), "w4a8_matmul")
+        shape = list(x.ty.shape)[:-1] + [N]
+        return relax.call_tir(gv, relax.Tuple([x, stored[0], stored[1]]),
+                              out_ty=relax.TensorType(shape, out_dtype))
+    if scheme.activations == "int8":
+        act = bb.emit(bb.call_te(kernels.quantize_activation, x,
+                                 primfunc_name_hint="quantize_activation"))
+        xu, xs = bb.emit(relax.TupleGetItem(act, 0)), bb.emit(relax.TupleGetItem(act, 1))
+        return bb.call_te(lambda *a: kernels.int8_matmul(*a, out_dtype=out_dtype), xu, xs,
+                          *stored, primfunc_name_hint="int8_matmul")
+    return bb.call_te(lambda a, q, s: kernels.dequantize_matmul(a, q, s, scheme, out_dtype),
+                      x, stored[0], stored[1], primfunc_name_hint=f"{tag}_matmul")
 
 
 def quantize_module(mod: tvm.IRModule, scheme: QuantScheme, checkpoint_names: dict,

@@ -37,9 +37,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import tvm  # noqa: E402
-from tvm import relax, te  # noqa: E402
+from tvm import relax  # noqa: E402
 
 from schedules.cpu import cpu_schedule_pass, workloads  # noqa: E402
+from tvm_llm.passes.quantize_linear import emit_quantized_matmul  # noqa: E402
 from tvm_llm.quantization import kernels  # noqa: E402
 from tvm_llm.quantization.scheme import QuantScheme, quantize_np, stored_np  # noqa: E402
 
@@ -57,29 +58,14 @@ def kernel_module(K: int, N: int, scheme):
     bb = relax.BlockBuilder()
     b = tvm.tirx.Var("b", "int64")
     x = relax.Var("x", relax.TensorType([b, 1, K], "float32"))
-    if scheme is None:
-        ws = [relax.Var("w", relax.TensorType([N, K], "float32"))]
-    else:
-        w_te = te.placeholder((N, K), "float32")
-        stored = kernels.quantize_weight(w_te, scheme)
-        ws = [relax.Var(f"w{i}", relax.TensorType([int(d) for d in t.shape], t.dtype))
-              for i, t in enumerate(stored)]
+    shapes = [([N, K], "float32")] if scheme is None else kernels.stored_shapes(N, K, scheme)
+    ws = [relax.Var(f"w{i}", relax.TensorType(shape, dtype)) for i, (shape, dtype) in enumerate(shapes)]
     with bb.function("main", [x] + ws):
         with bb.dataflow():
             if scheme is None:
                 y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(ws[0])))
-            elif scheme.tag == "w4a8":
-                from schedules.cpu.w4a8_matmul import w4a8_matmul_func
-
-                gv = bb.add_func(w4a8_matmul_func(K, N, scheme.group_size), "w4a8_matmul")
-                y = bb.emit(relax.call_tir(gv, relax.Tuple([x, *ws]), out_ty=relax.TensorType([b, 1, N], "float32")))
-            elif scheme.activations == "int8":
-                act = bb.emit(bb.call_te(kernels.quantize_activation, x))
-                y = bb.emit(bb.call_te(kernels.int8_matmul, relax.TupleGetItem(act, 0),
-                                       relax.TupleGetItem(act, 1), *ws))
             else:
-                y = bb.emit(bb.call_te(lambda a, q, s: kernels.dequantize_matmul(a, q, s, scheme),
-                                       x, *ws))
+                y = bb.emit(emit_quantized_matmul(bb, x, ws, scheme, K, N, "float32"))
             out = bb.emit_output(y)
         bb.emit_func_output(out)
     mod = bb.get()

@@ -9,6 +9,7 @@ from tvm import relax, te
 
 from schedules.cpu import cpu_schedule_pass, workloads
 from tvm_llm.errors import UserError
+from tvm_llm.passes.quantize_linear import emit_quantized_matmul
 from tvm_llm.quantization import kernels
 from tvm_llm.quantization.scheme import (QuantScheme, dequantize_np, pack_q4_np, parse_scheme,
                                          quantize_np, stored_np, unpack_q4_np)
@@ -97,23 +98,11 @@ def _scheduled_matmul(K, N, scheme, x_shape):
     """The pass's matmul kernel (x of x_shape, may be symbolic) scheduled by our CPU rules."""
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType(list(x_shape), "float32"))
-    stored = kernels.quantize_weight(te.placeholder((N, K), "float32"), scheme)
-    ws = [relax.Var(f"w{i}", relax.TensorType([int(d) for d in t.shape], t.dtype))
-          for i, t in enumerate(stored)]
+    ws = [relax.Var(f"w{i}", relax.TensorType(shape, dtype))
+          for i, (shape, dtype) in enumerate(kernels.stored_shapes(N, K, scheme))]
     with bb.function("main", [x] + ws):
         with bb.dataflow():
-            if scheme.tag == "w4a8":
-                from schedules.cpu.w4a8_matmul import w4a8_matmul_func
-
-                gv = bb.add_func(w4a8_matmul_func(K, N, scheme.group_size), "w4a8_matmul")
-                y = bb.emit(relax.call_tir(gv, relax.Tuple([x, *ws]),
-                                           out_ty=relax.TensorType(list(x_shape[:-1]) + [N], "float32")))
-            elif scheme.activations == "int8":
-                act = bb.emit(bb.call_te(kernels.quantize_activation, x))
-                y = bb.emit(bb.call_te(kernels.int8_matmul, relax.TupleGetItem(act, 0),
-                                       relax.TupleGetItem(act, 1), *ws))
-            else:
-                y = bb.emit(bb.call_te(lambda a, q, s: kernels.dequantize_matmul(a, q, s, scheme), x, *ws))
+            y = bb.emit(emit_quantized_matmul(bb, x, ws, scheme, K, N, "float32"))
             y = bb.emit(relax.op.nn.silu(y))  # an epilogue FuseOps fuses into the matmul
             out = bb.emit_output(y)
         bb.emit_func_output(out)
@@ -128,10 +117,6 @@ def _scheduled_matmul(K, N, scheme, x_shape):
     return relax.VirtualMachine(ex, tvm.cpu())
 
 
-def _stored(w, scheme):
-    return stored_np(w, scheme)
-
-
 @pytest.mark.parametrize("scheme", [Q8, Q4, W8A8, W4A8], ids=["q8", "q4", "w8a8", "w4a8"])
 @pytest.mark.parametrize("mode,rows", [("decode", 1), ("decode", 3), ("prefill", 7)])
 def test_scheduled_quantized_matmul_matches_reference(scheme, mode, rows):
@@ -144,7 +129,7 @@ def test_scheduled_quantized_matmul_matches_reference(scheme, mode, rows):
     x = rng.standard_normal((rows, 1, K) if mode == "decode" else (1, rows, K)).astype("float32")
     dev = tvm.cpu()
     got = vm["main"](tvm.runtime.tensor(x, dev),
-                     *[tvm.runtime.tensor(a, dev) for a in _stored(w, scheme)]).numpy()
+                     *[tvm.runtime.tensor(a, dev) for a in stored_np(w, scheme)]).numpy()
     xr = x
     if scheme.activations == "int8":
         s = np.abs(x).max(-1, keepdims=True) / 127.0

@@ -85,6 +85,12 @@ def quantize_weight(w: te.Tensor, scheme: QuantScheme):
     return packed, scale
 
 
+def stored_shapes(N: int, K: int, scheme: QuantScheme) -> list:
+    """(shape, dtype) of each tensor quantize_weight stores for an (N, K) weight."""
+    return [([int(d) for d in t.shape], t.dtype)
+            for t in quantize_weight(te.placeholder((N, K), "float32"), scheme)]
+
+
 def dequantize(wq: te.Tensor, scale: te.Tensor, scheme: QuantScheme, K: int, dtype: str):
     """The (N, K) float weight as a producer stage (inlined into the matmul by the schedules)."""
     N = int(wq.shape[0])

@@ -36,6 +36,27 @@ def w4a8_matmul_func(K: int, N: int, G: int, out_dtype: str = "float32") -> tvm.
         raise ValueError(f"W4A8 needs N % 16 == 0, K % G == 0, G % 8 == 0 (N={N}, K={K}, G={G})")
     NT, NG, C = N // TILE_N, K // G, G // 8
 
+    @T.macro
+    def unpack(tiles, wp, nt, g):
+        """The group's 2C VNNI tiles of 16 rows: low nibbles, then high nibbles, of each chunk."""
+        for c in T.unroll(C):
+            packed = wp[nt, g, c, T.Ramp(0, 1, 64)]
+            tiles[2 * c] = T.bitwise_and(packed, T.Broadcast(T.uint8(15), 64))
+            tiles[2 * c + 1] = T.shift_right(packed, T.Broadcast(T.uint8(4), 64))
+
+    @T.macro
+    def group_sum(acc, tiles, xq, xsum, r, g):
+        """acc[0] + acc[1]: the group's int32 dot products of row r, +8 offset removed, in
+        acc[0]; two accumulator chains (low / high nibble tiles) halve the latency."""
+        acc[0] = T.Broadcast(T.int32(0), TILE_N)
+        acc[1] = T.Broadcast(T.int32(0), TILE_N)
+        for t in T.unroll(2 * C):
+            a4 = T.reinterpret("int32", xq[r, T.Ramp(g * G + t * 4, 1, 4)])
+            acc[t % 2] = T.call_llvm_pure_intrin(
+                "int32x16", "llvm.x86.avx512.vpdpbusd.512", acc[t % 2], tiles[t],
+                T.reinterpret("int8x64", T.Broadcast(a4, TILE_N)))
+        acc[0] = acc[0] + acc[1] - T.Broadcast(xsum[r, g] * 8, TILE_N)
+
     @T.prim_func(private=True, check_well_formed=False)
     def w4a8_matmul(var_x: T.handle, wp: T.Buffer((NT, NG, C, 64), "uint8"),
                     ws: T.Buffer((NT, NG, TILE_N), "float32"), var_y: T.handle):
@@ -84,23 +105,11 @@ def w4a8_matmul_func(K: int, N: int, G: int, out_dtype: str = "float32") -> tvm.
                 fsum = T.alloc_buffer((1,), "float32x16", scope="local")
                 fsum[0] = T.Broadcast(T.float32(0), TILE_N)
                 for g in range(NG):
+                    tiles = T.alloc_buffer((2 * C,), "uint8x64", scope="local")
                     acc = T.alloc_buffer((2,), "int32x16", scope="local")
-                    acc[0] = T.Broadcast(T.int32(0), TILE_N)
-                    acc[1] = T.Broadcast(T.int32(0), TILE_N)
-                    for c in T.unroll(C):
-                        packed = wp[nt, g, c, T.Ramp(0, 1, 64)]
-                        lo4 = T.reinterpret("int32", xq[0, T.Ramp(g * G + c * 8, 1, 4)])
-                        hi4 = T.reinterpret("int32", xq[0, T.Ramp(g * G + c * 8 + 4, 1, 4)])
-                        acc[0] = T.call_llvm_pure_intrin(
-                            "int32x16", "llvm.x86.avx512.vpdpbusd.512", acc[0],
-                            T.bitwise_and(packed, T.Broadcast(T.uint8(15), 64)),
-                            T.reinterpret("int8x64", T.Broadcast(lo4, TILE_N)))
-                        acc[1] = T.call_llvm_pure_intrin(
-                            "int32x16", "llvm.x86.avx512.vpdpbusd.512", acc[1],
-                            T.shift_right(packed, T.Broadcast(T.uint8(4), 64)),
-                            T.reinterpret("int8x64", T.Broadcast(hi4, TILE_N)))
-                    corrected = acc[0] + acc[1] - T.Broadcast(xsum[0, g] * 8, TILE_N)
-                    fsum[0] = fsum[0] + T.Cast("float32x16", corrected) \
+                    unpack(tiles, wp, nt, g)
+                    group_sum(acc, tiles, xq, xsum, 0, g)
+                    fsum[0] = fsum[0] + T.Cast("float32x16", acc[0]) \
                         * ws[nt, g, T.Ramp(0, 1, TILE_N)]
                 y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = T.Cast(
                     out_dtype + "x16", fsum[0] * T.Broadcast(xscale[0], TILE_N))
@@ -112,23 +121,12 @@ def w4a8_matmul_func(K: int, N: int, G: int, out_dtype: str = "float32") -> tvm.
                     facc[r, T.Ramp(0, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
                 for g in range(NG):
                     tiles = T.alloc_buffer((2 * C,), "uint8x64", scope="local")
-                    for c in T.unroll(C):
-                        packed = wp[nt, g, c, T.Ramp(0, 1, 64)]
-                        tiles[2 * c] = T.bitwise_and(packed, T.Broadcast(T.uint8(15), 64))
-                        tiles[2 * c + 1] = T.shift_right(packed, T.Broadcast(T.uint8(4), 64))
+                    unpack(tiles, wp, nt, g)
                     for r in range(A * B):
-                        # two accumulator chains (low / high nibble tiles) halve the latency
                         acc = T.alloc_buffer((2,), "int32x16", scope="local")
-                        acc[0] = T.Broadcast(T.int32(0), TILE_N)
-                        acc[1] = T.Broadcast(T.int32(0), TILE_N)
-                        for t in T.unroll(2 * C):
-                            a4 = T.reinterpret("int32", xq[r, T.Ramp(g * G + t * 4, 1, 4)])
-                            acc[t % 2] = T.call_llvm_pure_intrin(
-                                "int32x16", "llvm.x86.avx512.vpdpbusd.512", acc[t % 2], tiles[t],
-                                T.reinterpret("int8x64", T.Broadcast(a4, TILE_N)))
-                        corrected = acc[0] + acc[1] - T.Broadcast(xsum[r, g] * 8, TILE_N)
+                        group_sum(acc, tiles, xq, xsum, r, g)
                         facc[r, T.Ramp(0, 1, TILE_N)] = facc[r, T.Ramp(0, 1, TILE_N)] \
-                            + T.Cast("float32x16", corrected) * ws[nt, g, T.Ramp(0, 1, TILE_N)]
+                            + T.Cast("float32x16", acc[0]) * ws[nt, g, T.Ramp(0, 1, TILE_N)]
                 for r in range(A * B):
                     for i in T.vectorized(TILE_N):
                         y[r // B, r % B, nt * TILE_N + i] = T.Cast(out_dtype, facc[r, i] * xscale[r])

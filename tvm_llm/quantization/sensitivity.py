@@ -75,8 +75,9 @@ class _Quantized:
     """Context manager: the given linears compute with fake-quantized weights (and inputs)."""
 
     def __init__(self, linears, scheme: QuantScheme):
-        self.linears = [(n, m) for n, m in linears
-                        if scheme.applies_to(m.weight.shape[1]) and not scheme.keeps_float([n])]
+        self.linears = [(n, m) for n, m in linears  # the linears the build would quantize
+                        if scheme.applies_to(m.weight.shape[1], m.weight.shape[0])
+                        and not scheme.keeps_float([n])]
         self.scheme = scheme
         self.saved, self.hooks = [], []
 

@@ -96,6 +96,17 @@ def test_invalid_target(tmp_path, checkpoint):
     _assert_refused(tmp_path, checkpoint("llama"), "--target", "tpu", expect="unknown target 'tpu'")
 
 
+@pytest.mark.parametrize("extra,expect", [
+    (("--quantization", "q3"), "unknown --quantization 'q3'"),
+    (("--quantization", "q4", "--activations", "int4"), "unknown --activations 'int4'"),
+    (("--quantization", "q4", "--group-size", "24"), "--group-size must be a power of two"),
+    (("--quantization", "q4", "--activations", "int8", "--group-size", "4"), "multiple of 8"),
+    (("--keep-float", "0",), "need --quantization"),
+])
+def test_bad_quantization_options(tmp_path, checkpoint, extra, expect):
+    _assert_refused(tmp_path, checkpoint("llama"), *extra, expect=expect)
+
+
 def test_existing_output_needs_force(tmp_path, checkpoint):
     out = tmp_path / "out"
     out.mkdir()

@@ -140,12 +140,12 @@ _MAX_MEMORY_HELP = ("memory budget for the running model: a size (4GB = 4e9 byte
 
 
 def _add_quantization_args(p, default=None) -> None:
-    p.add_argument("--quantization", default=default, choices=["q8", "q4"],
+    p.add_argument("--quantization", default=default, metavar="q8|q4",
                    help="store linear weights as int8 (q8) or 4-bit (q4), symmetric, one scale "
                         "per group; dequantized inside the matmul kernels")
     p.add_argument("--group-size", type=_positive_int, default=32,
                    help="weights per scale along the input dimension (default 32)")
-    p.add_argument("--activations", default=None, choices=["float", "int8"],
+    p.add_argument("--activations", default=None, metavar="float|int8",
                    help="int8: also quantize each linear's input per token and multiply "
                         "int8 x int8 (W8A8, needs q8 and AVX-512 VNNI)")
 

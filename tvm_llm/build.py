@@ -81,6 +81,7 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
                         ("page_size", page_size)):
         if not isinstance(value, int) or value < 1:
             raise UserError(f"{name} must be a positive integer, got {value!r}")
+    spec.check_page_size(page_size)
     scheme = parse_scheme(quantization, group_size, activations, keep_float)
     if scheme is not None and scheme.activations == "int8" and not spec.supports_int8_dot():
         raise UserError(f"--activations int8 needs int8 dot-product instructions; target "
@@ -115,7 +116,7 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
     t0 = time.perf_counter()
     imported = import_model(model, dtype=dtype, context_window=context_window,
                             max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
-                            target=tvm_target)
+                            target=tvm_target, page_size=page_size)
     del model
     t_import = time.perf_counter() - t0
 

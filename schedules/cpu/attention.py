@@ -8,8 +8,9 @@ calls it unchanged) and:
 
 * runs (sequence, KV head) pairs in parallel; the query heads sharing a KV head (GQA) are
   handled together, so each K/V page is read from memory once per group;
-* works a page (16 tokens) at a time: 16 dot products vectorized over the head dim, one
-  online-softmax rescale per page instead of per token, then the weighted V rows;
+* works a page at a time (the build's page size, 8 to 128 tokens): one dot product per token
+  vectorized over the head dim, one online-softmax rescale per page instead of per token,
+  then the weighted V rows;
 * requires the rotary embedding to be applied before the cache (our import uses
   RopeMode.NONE, see tvm_llm/frontend/relax_import.py); rotary_mode is ignored.
 """
@@ -19,7 +20,7 @@ import math
 
 from tvm.script import tirx as T
 
-PAGE = 16  # TVM's CPU kernels are compiled for 16-token pages
+PAGE_SIZES = (8, 16, 32, 64, 128)  # page sizes the kernels are built for (tokens per page)
 LOG2E = math.log2(math.e)
 
 
@@ -32,7 +33,7 @@ def _lanes(D: int) -> int:
 
 def _online_softmax_macros(G: int, D: int, L: int, dtype: str):
     """The per-(row, KV head) attention steps both kernels share, as TVMScript macros over
-    local buffers q (G, D), o (G, D), m (G,), den (G,), s (16,), part (L,), mx (1,):
+    local buffers q (G, D), o (G, D), m (G,), den (G,), s (block,), part (L,), mx (1,):
 
     * start: load the G query rows (pre-scaled by sm_scale * log2 e), zero the state;
     * block: score `ntok` keys (vectorized dot products), one online-softmax rescale, add the
@@ -87,7 +88,13 @@ def _online_softmax_macros(G: int, D: int, L: int, dtype: str):
     return start, block, finish
 
 
-def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str):
+def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
+                          page_size: int = 16):
+    """`page_size`: tokens per KV page; the kernel is compiled for one (the cache's pages
+    buffer is matched with that extent, so another page size is a run-time shape error)."""
+    if page_size not in PAGE_SIZES:
+        raise ValueError(f"page_size {page_size} is not one of {PAGE_SIZES}")
+    PAGE = page_size
     H_kv, H_qo, D = num_kv_heads, num_qo_heads, head_dim
     G = H_qo // H_kv
     L = _lanes(D)

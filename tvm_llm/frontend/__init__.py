@@ -12,9 +12,9 @@ from .relax_import import AttentionShape, ImportedModel  # noqa: F401
 
 
 def import_model(model, *, dtype: str, context_window: int, max_batch_size: int,
-                 prefill_chunk_size: int, target):
+                 prefill_chunk_size: int, target, page_size: int = 16):
     """Trace `model` (a transformers causal LM in eval mode) into an ImportedModel whose
-    module has prefill, decode and create_paged_kv_cache."""
+    module has prefill, decode and create_paged_kv_cache (its kernels built for `page_size`)."""
     import torch
 
     from .attention import use_paged_attention
@@ -27,5 +27,5 @@ def import_model(model, *, dtype: str, context_window: int, max_batch_size: int,
     vocab = model.config.get_text_config().vocab_size
     imported = to_relax(ep, vocab, dtype)
     mod = specialize(imported.mod, max_batch=max_batch_size, max_tokens=prefill_chunk_size)
-    imported.mod = add_kv_cache_creation(mod, imported.attention, dtype, target)
+    imported.mod = add_kv_cache_creation(mod, imported.attention, dtype, target, page_size)
     return imported

@@ -190,8 +190,13 @@ def specialize(mod, max_batch: int, max_tokens: int):
     return rx.transform.DeadCodeElimination(["prefill", "decode", "hidden_states"])(out)
 
 
-def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target):
-    """Add create_paged_kv_cache (TVM's TIR paged KV cache for this target and dtype)."""
+def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target, page_size: int = 16):
+    """Add create_paged_kv_cache (TVM's TIR paged KV cache for this target and dtype).
+
+    The cache's kernels match its pages buffer with a fixed page extent (TVM compiles them for
+    16-token pages), so on CPU every kernel that reads or writes pages is rebuilt for
+    `page_size`; the runtime must create the cache with the same page size (the manifest
+    records it). Other targets take 16 only (checked by the target, tvm_llm/targets/)."""
     from tvm import relax as rx
     from tvm import tirx
     from tvm.relax.frontend import nn
@@ -222,8 +227,36 @@ def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target):
         from schedules.cpu.attention import decode_attention_func, prefill_ragged_attention_func
 
         shape = (attn.num_kv_heads, attn.num_heads, attn.head_dim, dtype)
-        kv_mod["batch_decode_paged_kv_cpu"] = decode_attention_func(*shape)
+        kv_mod["batch_decode_paged_kv_cpu"] = decode_attention_func(*shape, page_size=page_size)
         kv_mod["batch_prefill_ragged_kv"] = prefill_ragged_attention_func(*shape)
+        if page_size != 16:
+            _rebuild_cpu_page_kernels(kv_mod, attn, dtype, page_size)
     for gv, func in mod.functions_items():
         kv_mod[gv.name_hint] = func
     return kv_mod
+
+
+def _rebuild_cpu_page_kernels(kv_mod, attn: AttentionShape, dtype: str, page_size: int) -> None:
+    """TVM's own CPU page kernels (append, paged prefill, sliding-window decode, compaction)
+    for `page_size`-token pages, under the names the cache refers to. (The tree-attention
+    kernel stays 16-token: speculative tree decoding is never used by our runtime.)"""
+    from tvm.relax.frontend.nn.llm import _decode_kernels as dk
+    from tvm.relax.frontend.nn.llm import _page_kernels as pk
+    from tvm.relax.frontend.nn.llm import _prefill_kernels as fk
+
+    h_kv, h_q, d = attn.num_kv_heads, attn.num_heads, attn.head_dim
+    kernels = {
+        "tir_kv_cache_transpose_append": pk._kv_cache_transpose_append(h_kv, d, dtype, page_size),
+        "batch_prefill_paged_kv_cpu": fk._attention_prefill_cpu(
+            h_kv, h_q, d, dtype, False, {}, page_size=page_size),
+        "batch_prefill_paged_kv_cpu_sliding_window": fk._attention_prefill_cpu(
+            h_kv, h_q, d, dtype, True, {}, page_size=page_size),
+        "batch_decode_paged_kv_cpu_sliding_window": dk._attention_decode_cpu(
+            h_kv, h_q, d, dtype, True, {}, page_size=page_size),
+        "compact_kv_copy_cpu": pk._compact_kv_copy_cpu(h_kv, d, dtype, page_size),
+    }
+    names = {gv.name_hint for gv in kv_mod.get_global_vars()}
+    for name, func in kernels.items():
+        if name not in names:  # TVM renamed a kernel: fail the build, never mismatch at run time
+            raise RuntimeError(f"TVM's paged KV cache has no kernel named {name}")
+        kv_mod[name] = func.with_attr("global_symbol", name)

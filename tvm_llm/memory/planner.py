@@ -340,6 +340,7 @@ def plan_checkpoint(model_dir: str, target: str = "llvm", arch: str | None = Non
                         ("page_size", page_size)):
         if not isinstance(value, int) or value < 1:
             raise UserError(f"{name} must be a positive integer, got {value!r}")
+    spec.check_page_size(page_size)
     budget = None if max_memory is None else parse_budget(
         max_memory, lambda: device_memory_bytes(spec.device_type))
     check_options(budget, kv_cache_tokens)

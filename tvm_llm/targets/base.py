@@ -10,10 +10,22 @@ class TargetSpec:
     name = "base"
     default_dtype = "float32"
     device_type = "cpu"  # tvm device name used by the runtime: "cpu", "cuda", "rocm"
+    # KV page sizes (tokens) whose attention kernels the build can compile: TVM's GPU kernels
+    # take 16; the CPU target rebuilds its page kernels for any of 8..128
+    page_sizes = (16,)
 
     def __init__(self, arch: str | None = None, **options):
         self.arch = arch
         self.options = options
+
+    def check_page_size(self, page_size) -> None:
+        """Refuse, at build time, a KV page size this target's kernels cannot take."""
+        from ..errors import UserError
+
+        if page_size not in self.page_sizes:
+            sizes = ", ".join(map(str, self.page_sizes))
+            raise UserError(f"--page-size {page_size!r} is not supported for target {self.name}: "
+                            f"use one of {sizes} (tokens per KV cache page)")
 
     def tvm_target(self):
         """The tvm.target.Target to compile for."""

@@ -30,6 +30,7 @@ class LLVMTarget(TargetSpec):
     name = "llvm"
     default_dtype = "float32"
     device_type = "cpu"
+    page_sizes = (8, 16, 32, 64, 128)  # schedules/cpu/attention.py PAGE_SIZES
 
     def __init__(self, arch: str | None = None, **options):
         super().__init__(arch=arch, **options)

@@ -27,12 +27,15 @@ def _configs():
                                             intermediate_size=128, vocab_size=VOCAB, rotary_pct=0.25,
                                             initializer_range=0.2, tie_word_embeddings=False,
                                             bos_token_id=1, eos_token_id=2),
+        "qwen3": lambda: T.Qwen3Config(**{**COMMON, "head_dim": 16}),
         "gemma2": lambda: T.Gemma2Config(**{**COMMON, "head_dim": 16, "sliding_window": 4}),
         "mistral_sw": lambda: T.MistralConfig(**{**COMMON, "sliding_window": 8}),
     }
 
 
 ARCHS = ("llama", "qwen2", "gemma", "phi3", "gpt2", "gpt_neox")
+# half-precision builds are also tested on Qwen3 (per-head q/k RMSNorm before attention)
+HALF_ARCHS = ARCHS + ("qwen3",)
 
 
 def make_tokenizer(path: str) -> None:

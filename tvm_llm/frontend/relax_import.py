@@ -59,13 +59,17 @@ def _attention_converter(layers: dict, cache_var, cache_dtype: str | None = None
             raise UserError(f"layer {layer_id}: value head dim {int(dv)} differs from query head dim "
                             f"{int(d)}; the paged KV cache needs equal head dims")
         layers[layer_id] = (int(nh), int(nkv), int(d), int(dv), scale)
-        # (b, h, s, d) -> (b, s, h, d), q | k | v along heads -> (b*s, nh + 2 nkv, d)
-        qkv = bb.emit(rx.op.concat([bb.emit(rx.op.permute_dims(t, [0, 2, 1, 3])) for t in (q, k, v)],
-                                   axis=2))
-        qkv = bb.emit(rx.op.reshape(qkv, [b * s, nh + 2 * nkv, d]))
+        # (b, h, s, d) -> (b, s, h, d), q | k | v along heads -> (b*s, nh + 2 nkv, d);
+        # each cast to the cache dtype first: they may differ (Qwen3's per-head RMSNorm gives
+        # q and k back in the model dtype, v stays in the importer's float32)
         dtype = str(cache_dtype or q.ty.dtype)
-        if str(q.ty.dtype) != dtype:
-            qkv = bb.emit(rx.op.astype(qkv, dtype))
+        parts = []
+        for t in (q, k, v):
+            if str(t.ty.dtype) != dtype:
+                t = bb.emit(rx.op.astype(t, dtype))
+            parts.append(bb.emit(rx.op.permute_dims(t, [0, 2, 1, 3])))
+        qkv = bb.emit(rx.op.concat(parts, axis=2))
+        qkv = bb.emit(rx.op.reshape(qkv, [b * s, nh + 2 * nkv, d]))
         out = bb.emit(rx.call_dps_packed(
             "vm.builtin.attention_kv_cache_attention_with_fused_qkv",
             [cache_var, rx.prim_value(layer_id), rx.prim_value(scale), qkv],
@@ -75,6 +79,57 @@ def _attention_converter(layers: dict, cache_var, cache_dtype: str | None = None
         return bb.emit(rx.op.reshape(out, [b, s, nh, d]))
 
     return {"paged_attention.default": convert}
+
+
+def _half_matmul_converters() -> dict:
+    """Matmuls of a float16/bfloat16 model. TVM's importer computes every matmul with a float32
+    result, so the activations downstream of a linear are float32 while the weights stay half;
+    its own converter then casts the *weight* up to float32 (folded at build time into a
+    float32 copy: o_proj/down_proj stored at twice the bytes). Here the float32 operand is cast
+    down instead, to the dtype torch has there (both operands are half in the traced model),
+    and the product still accumulates in float32. Float32 models are converted as before."""
+    from tvm import relax as rx
+
+    half = ("float16", "bfloat16")
+
+    def torch_dtype(node) -> str:
+        val = node.meta.get("val")
+        return str(getattr(val, "dtype", "")).replace("torch.", "")
+
+    def common(importer, a, b):
+        da, db = str(a.ty.dtype), str(b.ty.dtype)
+        bb = importer.block_builder
+        if da != db and da in half and db == "float32":
+            b = bb.emit(rx.op.astype(b, da))
+        elif da != db and db in half and da == "float32":
+            a = bb.emit(rx.op.astype(a, db))
+        return a, b
+
+    def matmul(node, importer):
+        a, b = importer.retrieve_args(node)[:2]
+        if torch_dtype(node) in half:
+            a, b = common(importer, a, b)
+        elif str(a.ty.dtype) != str(b.ty.dtype):  # what TVM's importer does
+            a = importer.block_builder.emit(rx.op.astype(a, "float32"))
+            b = importer.block_builder.emit(rx.op.astype(b, "float32"))
+        return importer.block_builder.emit(rx.op.matmul(a, b, out_dtype="float32"))
+
+    def addmm(node, importer):  # bias + x @ w (GPT-2's Conv1D)
+        out_dtype = torch_dtype(node)
+        alpha, beta = node.kwargs.get("alpha", 1), node.kwargs.get("beta", 1)
+        if out_dtype not in half or alpha != 1 or beta != 1:
+            return importer._addmm(node)
+        bias, x, w = (importer.env[a] for a in node.args[:3])
+        bb = importer.block_builder
+        x, w = common(importer, x, w)
+        res = bb.emit(rx.op.matmul(x, w, out_dtype="float32"))
+        res = bb.emit(rx.op.astype(res, out_dtype))
+        if str(bias.ty.dtype) != out_dtype:
+            bias = bb.emit(rx.op.astype(bias, out_dtype))
+        return bb.emit(rx.op.add(bias, res))
+
+    return {"mm.default": matmul, "matmul.default": matmul, "bmm.default": matmul,
+            "addmm.default": addmm}
 
 
 def _weight_sources(ep) -> dict:
@@ -99,7 +154,9 @@ def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
     layers: dict = {}
     cache_var = rx.Var("paged_kv_cache", rx.ObjectType())
     mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,
-                                custom_convert_map=_attention_converter(layers, cache_var, dtype))
+                                custom_convert_map={
+                                    **_half_matmul_converters(),
+                                    **_attention_converter(layers, cache_var, dtype)})
     func = mod["main"]
     n_in = int(func.attrs["num_input"])
     sources = _weight_sources(ep)
@@ -231,6 +288,11 @@ def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target, page_si
         kv_mod["batch_prefill_ragged_kv"] = prefill_ragged_attention_func(*shape)
         if page_size != 16:
             _rebuild_cpu_page_kernels(kv_mod, attn, dtype, page_size)
+        if dtype == "bfloat16":
+            # the q/k/v split kernel (fused_rope; rotary is off here, it only copies) fails
+            # LLVM codegen once vectorized in bfloat16 (TVM's bf16 legalization meets a Let
+            # in the vector loop): left to TVM's default lowering, serial and correct
+            kv_mod["fused_rope"] = kv_mod["fused_rope"].with_attr("tirx.is_scheduled", True)
     for gv, func in mod.functions_items():
         kv_mod[gv.name_hint] = func
     return kv_mod

@@ -12,7 +12,7 @@ import tempfile
 import time
 
 from . import __version__
-from .errors import UserError
+from .errors import NonFiniteWarning, UserError
 from .runtime import artifact
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -26,6 +26,50 @@ def _check_output(output_dir: str, force: bool) -> str:
     if not os.path.isdir(parent):
         raise UserError(f"{parent}: parent directory of the output does not exist; create it first")
     return output_dir
+
+
+TMP_PREFIXES = (".tvm-llm-build-", ".tvm-llm-old-")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, not ours
+        return True
+    return True
+
+
+def remove_stale_temp_dirs(parent: str, started: float) -> list:
+    """Remove the temporary directories that killed builds left in `parent`: ours only (our
+    prefixes, with the pid of the build that made them), stale only (that process is gone and
+    the directory is older than this build). Returns the removed paths."""
+    removed = []
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in entries:
+        prefix = next((p for p in TMP_PREFIXES if name.startswith(p)), None)
+        if prefix is None:
+            continue
+        pid = name[len(prefix):].split("-", 1)[0]
+        path = os.path.join(parent, name)
+        try:
+            stale = (pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))
+                     and os.path.isdir(path) and not os.path.islink(path)
+                     and os.stat(path).st_mtime < started)
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _tmp_prefix(kind: str) -> str:
+    return f".tvm-llm-{kind}-{os.getpid()}-"
 
 
 def _tokenizer_info(model_dir: str, config) -> dict:
@@ -68,11 +112,12 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
     `activations` "int8" for W8A8, `keep_float`: layer indices / weight-name globs left float
     (see tvm_llm/quantization/scheme.py)."""
     from .quantization import parse_scheme
-    from .frontend import import_model, load_model, read_config, tokenizer_files
+    from .frontend import import_model, load_model, nonfinite_weights, read_config, tokenizer_files
     from .passes.pipeline import run_pipeline
     from .targets import get_target
 
     t_start = time.perf_counter()
+    started = time.time()
     spec = get_target(target, arch=arch)
     dtype = dtype or spec.default_dtype
     if dtype not in DTYPES:
@@ -90,8 +135,8 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
     tvm_target = spec.tvm_target()
 
     config = read_config(model_dir)
-    tok_files = tokenizer_files(model_dir)
     text_cfg = config.get_text_config()
+    tok_files = tokenizer_files(model_dir, getattr(text_cfg, "vocab_size", None))
     max_pos = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
     from .memory import kv_budget, planner
 
@@ -109,6 +154,14 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
 
     log(f"[tvm-llm] loading {model_dir} ({config.model_type}, {dtype})")
     model = load_model(model_dir, config, dtype)
+    nonfinite = nonfinite_weights(model)
+    if nonfinite:
+        import warnings
+
+        more = f" (and {len(nonfinite) - 1} more)" if len(nonfinite) > 1 else ""
+        warnings.warn(NonFiniteWarning(
+            f"{model_dir}: weight {nonfinite[0]}{more} holds NaN or Inf; the build's outputs "
+            "will not be finite (re-download or fix the checkpoint)"), stacklevel=2)
     if scheme is None:  # quantized weights are sized by the plan, after the passes
         planner.check_weights_fit(budget, sum(p.numel() for p in model.parameters())
                                   * kv_budget.dtype_bytes(dtype), spec.device_type)
@@ -164,9 +217,13 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
                                  tir_pipeline=spec.tir_pipeline() or "default")
     t_compile = time.perf_counter() - t0
 
-    tmp = tempfile.mkdtemp(prefix=".tvm-llm-build-", dir=os.path.dirname(output_dir))
+    remove_stale_temp_dirs(os.path.dirname(output_dir), started)
+    tmp = tempfile.mkdtemp(prefix=_tmp_prefix("build"), dir=os.path.dirname(output_dir))
     try:
-        spec.export_library(executable, os.path.join(tmp, artifact.LIBRARY))
+        objects = os.path.join(tmp, ".objects")  # object files: inside our own temp dir
+        os.mkdir(objects)
+        spec.export_library(executable, os.path.join(tmp, artifact.LIBRARY), workspace_dir=objects)
+        shutil.rmtree(objects)
         table = artifact.save_weights(os.path.join(tmp, artifact.WEIGHTS), names, weights)
         for name in tok_files:
             shutil.copy(os.path.join(model_dir, name), os.path.join(tmp, name))
@@ -189,6 +246,7 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
                          "context_window": context_window},
             "memory": memory.to_dict(),
             "tokenizer": _tokenizer_info(model_dir, config),
+            "nonfinite_weights": nonfinite,
             "params": table,
             "report": {"phases": report, "import_seconds": round(t_import, 2),
                        "compile_seconds": round(t_compile, 2),
@@ -197,7 +255,7 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
         }
         artifact.write_manifest(os.path.join(tmp, artifact.MANIFEST), manifest)
         if os.path.exists(output_dir):  # only reached with force=True
-            old = tempfile.mkdtemp(prefix=".tvm-llm-old-", dir=os.path.dirname(output_dir))
+            old = tempfile.mkdtemp(prefix=_tmp_prefix("old"), dir=os.path.dirname(output_dir))
             os.rename(output_dir, os.path.join(old, "out"))
             os.rename(tmp, output_dir)
             shutil.rmtree(old, ignore_errors=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -85,6 +86,9 @@ def _perplexity(args) -> None:
     text = read_text(args.text)
     engine = Engine(args.output_dir, num_threads=args.threads)
     r = engine_perplexity(engine, text, window=args.window, max_windows=args.max_windows)
+    if not math.isfinite(r["perplexity"]):
+        raise UserError(f"{args.output_dir}: perplexity is {r['perplexity']}: the model's logits "
+                        "are not finite (NaN/Inf weights? run `tvm-llm verify`)")
     q = engine.manifest.get("quantization") or {}
     label = q.get("tag", engine.manifest.get("dtype", "float32"))
     print(f"{args.output_dir} ({label}): perplexity {r['perplexity']:.3f} over {r['tokens']} "
@@ -107,7 +111,7 @@ def _inspect(args) -> None:
     from .report import format_manifest
     from .runtime.artifact import read_manifest
 
-    print(format_manifest(read_manifest(args.output_dir)))
+    print(format_manifest(read_manifest(args.output_dir, load_check=False)))
 
 
 def _demo(args) -> None:
@@ -124,14 +128,56 @@ def _demo(args) -> None:
         _generate(gen)
 
 
-def _positive_int(text: str) -> int:
+# ---- option values: every numeric option's type and range, checked here and nowhere else.
+# A bad value is one line (`tvm-llm: error: argument --x: ...`) and exit code 2 (_Parser).
+def _number(kind, lo=None, hi=None, lo_open=False, what=None):
+    """An argparse type: `kind` (int or float) within [lo, hi] (lo excluded with lo_open);
+    floats must be finite."""
+    import math
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        if (lo is not None and (value < lo or (lo_open and value == lo))) or \
+                (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+MAX_INT = 1 << 31  # no count, size or id of ours is larger (TVM indexes with int32)
+_positive_int = _number(int, 1, MAX_INT, what="a positive integer")
+_non_negative_int = _number(int, 0, MAX_INT, what="an integer >= 0")
+_temperature = _number(float, 0.0, 100.0, what="a temperature in [0, 100] (0 = greedy)")
+_top_p = _number(float, 0.0, 1.0, lo_open=True, what="a probability in (0, 1]")
+_cosine = _number(float, -1.0, 1.0, what="a cosine in [-1, 1]")
+_fraction = _number(float, 0.0, 1.0, what="a fraction in [0, 1]")
+_page_size = _number(int, 1, MAX_INT, what="a power of two from 8 to 128")
+
+
+def _text_arg(text: str) -> str:
+    """Text from the command line must be UTF-8 (a prompt, a path): Python hands undecodable
+    bytes over as lone surrogates, which the tokenizer cannot take."""
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"not valid UTF-8 ({ascii(text)[:60]}); pass UTF-8 "
+                                         "text") from None
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as the one `tvm-llm: error:` line (no usage block) and exit
+    code 2, like every other bad input."""
+
+    def error(self, message):
+        self.exit(2, f"tvm-llm: error: {message} (see `{self.prog} --help`)\n")
 
 
 _MAX_MEMORY_HELP = ("memory budget for the running model: a size (4GB = 4e9 bytes, 4GiB or 4G = "
@@ -159,7 +205,7 @@ def _add_text_args(p) -> None:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tvm-llm", description=(
+    p = _Parser(prog="tvm-llm", description=(
         "Compile a Hugging Face causal LM checkpoint into a native TVM module and run it."))
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -181,7 +227,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="sequences decoded together (default 8)")
     b.add_argument("--prefill-chunk-size", type=_positive_int, default=512,
                    help="tokens per prefill call (default 512)")
-    b.add_argument("--page-size", type=_positive_int, default=16, help="KV cache page size in tokens")
+    b.add_argument("--page-size", type=_page_size, default=16, help="KV cache page size in tokens")
     b.add_argument("--kv-cache-tokens", type=_positive_int, default=None,
                    help="KV cache capacity in tokens, all sequences together")
     b.add_argument("--max-memory", default=None, metavar="SIZE", help=_MAX_MEMORY_HELP)
@@ -239,7 +285,7 @@ def make_parser() -> argparse.ArgumentParser:
                          "bounded by --max-memory)")
     pl.add_argument("--max-batch-size", type=_positive_int, default=8)
     pl.add_argument("--prefill-chunk-size", type=_positive_int, default=512)
-    pl.add_argument("--page-size", type=_positive_int, default=16)
+    pl.add_argument("--page-size", type=_page_size, default=16)
     pl.add_argument("--kv-cache-tokens", type=_positive_int, default=None)
     _add_quantization_args(pl)
     pl.add_argument("--keep-float", default=None, metavar="LAYERS")
@@ -248,13 +294,14 @@ def make_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text with a built output directory")
     g.add_argument("output_dir", metavar="OUT", help="directory written by `tvm-llm build`")
-    g.add_argument("--prompt", action="append", help="prompt text (repeat for several prompts)")
+    g.add_argument("--prompt", action="append", type=_text_arg,
+                   help="prompt text (repeat for several prompts)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop-token-id", type=int, action="append", help="extra stop token id")
+    g.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=_non_negative_int, default=0, help="0 = all tokens (default)")
+    g.add_argument("--top-p", type=_top_p, default=1.0)
+    g.add_argument("--seed", type=_non_negative_int, default=None)
+    g.add_argument("--stop-token-id", type=_non_negative_int, action="append", help="extra stop token id")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
     g.add_argument("--threads", type=_positive_int, default=None,
                    help="CPU threads (default: all cores, or $TVM_NUM_THREADS)")
@@ -271,12 +318,12 @@ def make_parser() -> argparse.ArgumentParser:
     v.add_argument("--reference", metavar="MODEL_DIR", default=None,
                    help="Hugging Face checkpoint to compare with (default: the directory OUT was "
                         "built from, as its manifest records)")
-    v.add_argument("--prompt", action="append",
+    v.add_argument("--prompt", action="append", type=_text_arg,
                    help="prompt text (repeat for several; default: three short texts)")
-    v.add_argument("--min-cosine", type=float, default=0.99,
+    v.add_argument("--min-cosine", type=_cosine, default=0.99,
                    help="flag a hidden state or the logits whose cosine similarity (all positions "
                         "flattened) is below this (default 0.99)")
-    v.add_argument("--min-top1", type=float, default=0.9,
+    v.add_argument("--min-top1", type=_fraction, default=0.9,
                    help="flag the logits when fewer than this fraction of positions agree on the "
                         "greedy token (default 0.9)")
     v.add_argument("--threads", type=_positive_int, default=None,
@@ -308,14 +355,15 @@ def make_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="build the bundled tiny model for this CPU and generate")
     d.add_argument("-o", "--output", default="tvm-llm-demo", metavar="OUT")
-    d.add_argument("--prompt", action="append")
+    d.add_argument("--prompt", action="append", type=_text_arg)
     d.add_argument("--max-new-tokens", type=_positive_int, default=48)
     d.set_defaults(func=_demo)
     return p
 
 
 def _show_tuning_warnings() -> None:
-    """Tuning-log warnings as one plain line each (file and line are in the message)."""
+    """Tuning-log and non-finite-weight warnings as one plain line each (file and line are
+    in the message)."""
     import warnings
 
     shown = warnings.showwarning
@@ -323,7 +371,7 @@ def _show_tuning_warnings() -> None:
         return
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if category.__name__ == "TuningLogWarning":
+        if category.__name__ in ("TuningLogWarning", "NonFiniteWarning"):
             print(f"tvm-llm: warning: {message}", file=sys.stderr)
         else:
             shown(message, category, filename, lineno, file, line)

@@ -8,3 +8,8 @@ class UserError(Exception):
     """Bad input from the user (a path, a checkpoint, an option). Exit code 2."""
 
     exit_code = 2
+
+
+class NonFiniteWarning(UserWarning):
+    """Weights or outputs hold NaN or Inf: the work goes on, its results are not numbers. The
+    CLI prints it as one `tvm-llm: warning:` line."""

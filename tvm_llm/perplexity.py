@@ -25,8 +25,16 @@ def read_text(path: str | None) -> str:
     path = path or DEFAULT_TEXT
     if not os.path.isfile(path):
         raise UserError(f"{path}: text file not found; pass --text FILE")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); pass a text "
+                        "file") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read it ({e.strerror}); pass a readable text file") from None
+    if "\0" in text:
+        raise UserError(f"{path}: holds NUL bytes (a binary file?); pass a text file")
     if not text.strip():
         raise UserError(f"{path}: text file is empty")
     return text

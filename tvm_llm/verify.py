@@ -102,8 +102,12 @@ def compare(name: str, got: np.ndarray, ref: np.ndarray, min_cosine: float,
     cosine = _cosine(a.ravel()[None], b.ravel()[None])[0]
     per_pos = _cosine(a, b)
     worst = int(np.argmin(per_pos))
+    # a NaN is never below a threshold: non-finite states (NaN/Inf weights, an overflow) are
+    # flagged as such, whatever the cosine says
+    finite = bool(np.isfinite(a).all())
     return Row(name, float(cosine), float(per_pos[worst]), positions[worst],
-               float(np.abs(a - b).max()), float(np.abs(b).max()), flagged=bool(cosine < min_cosine))
+               float(np.abs(a - b).max()), float(np.abs(b).max()),
+               flagged=not finite or not bool(cosine >= min_cosine))
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:

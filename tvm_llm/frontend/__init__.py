@@ -7,7 +7,8 @@ attention routed through one custom op that becomes the paged-KV-cache attention
 """
 from __future__ import annotations
 
-from .checkpoint import load_model, read_config, safetensors_files, tokenizer_files  # noqa: F401
+from .checkpoint import (load_model, nonfinite_weights, read_config, safetensors_files,  # noqa: F401
+                         tokenizer_files)
 from .relax_import import AttentionShape, ImportedModel  # noqa: F401
 
 

@@ -27,6 +27,9 @@ def read_config(model_dir: str):
             raw = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: not valid JSON ({e}); fix or re-download the config") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: holds a JSON {type(raw).__name__}, not an object of config "
+                        "fields; fix or re-download the config")
     from transformers import CONFIG_MAPPING, AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -38,9 +41,32 @@ def read_config(model_dir: str):
         raise UserError(f"{path}: model_type {model_type!r} has no causal-LM head in transformers; "
                         "tvm_llm compiles decoder-only language models")
     try:
-        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except Exception as e:  # transformers raises many types for a malformed config
-        raise UserError(f"{path}: transformers cannot read this config ({str(e).splitlines()[0]})") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{path}: transformers cannot read this config ({first})") from None
+    check_config_sizes(config, path)
+    return config
+
+
+# config fields that size the model: each, where the config has it, must be a positive integer
+SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "intermediate_size", "head_dim", "max_position_embeddings",
+               "n_embd", "n_layer", "n_head", "n_positions")
+MAX_SIZE = 1 << 24  # far above any real model's dimension, below what would overflow int32 math
+
+
+def check_config_sizes(config, path: str) -> None:
+    """Types and ranges of the sizes: a zero, negative, fractional, boolean, string or absurd
+    value is refused here instead of failing (or allocating) deep in the trace."""
+    cfg = config.get_text_config()
+    for name in SIZE_FIELDS:
+        value = cfg.to_dict().get(name, None) if hasattr(cfg, "to_dict") else getattr(cfg, name, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
+            raise UserError(f"{path}: {name} is {value!r}; it must be a positive integer (at most "
+                            f"{MAX_SIZE}): fix config.json")
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -67,7 +93,7 @@ def load_model(model_dir: str, config, dtype: str):
     # our own errors below say what is wrong; transformers' tables and progress bars would not
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    safetensors_files(model_dir)
+    check_weight_dtypes(model_dir)
     torch_dtype = getattr(torch, dtype)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
@@ -98,9 +124,63 @@ def _mismatch_parts(entry):
     return str(entry), "?", "?"
 
 
-def tokenizer_files(model_dir: str) -> list[str]:
-    """Tokenizer files to ship with the build; tokenizer.json is required by the runtime."""
-    if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+def tokenizer_files(model_dir: str, vocab_size: int | None = None) -> list[str]:
+    """Tokenizer files to ship with the build; tokenizer.json is required by the runtime, must
+    load, and (given the config's `vocab_size`) must not produce ids past the embedding table."""
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
         raise UserError(f"{model_dir}: tokenizer.json is missing; the runtime needs a fast "
                         "tokenizer file (save it with tokenizer.save_pretrained)")
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as e:  # the tokenizers library raises a bare Exception for bad files
+        first = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise UserError(f"{path}: the tokenizers library cannot load it ({first}); fix or "
+                        "re-download tokenizer.json") from None
+    n = tok.get_vocab_size(with_added_tokens=True)
+    if vocab_size is not None and n > vocab_size:
+        raise UserError(f"{path}: the tokenizer has {n} tokens but config.json's vocab_size is "
+                        f"{vocab_size}: ids >= {vocab_size} would read past the embedding table; "
+                        "use the checkpoint's own tokenizer or fix vocab_size")
     return [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, f))]
+
+
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+
+
+def check_weight_dtypes(model_dir: str) -> None:
+    """Every tensor in the safetensors files must be floating point: an integer tensor (a
+    quantized or corrupted checkpoint) would be silently cast to float and change the output.
+    Read from the files' JSON headers, without loading any tensor."""
+    import struct
+
+    for name in safetensors_files(model_dir):
+        path = os.path.join(model_dir, name)
+        try:
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > 100 * 2**20:
+                    raise ValueError("header length out of range")
+                header = json.loads(f.read(n))
+        except (OSError, ValueError, struct.error, UnicodeDecodeError):
+            raise UserError(f"{path}: not a readable safetensors file; re-download or "
+                            "re-save the weights") from None
+        if not isinstance(header, dict):
+            raise UserError(f"{path}: not a readable safetensors file; re-download or "
+                            "re-save the weights")
+        for key, info in sorted(header.items()):
+            if key == "__metadata__" or not isinstance(info, dict):
+                continue
+            if info.get("dtype") not in FLOAT_DTYPES:
+                raise UserError(f"{path}: tensor {key} is {info.get('dtype')}, not floating "
+                                "point; tvm_llm builds float checkpoints (quantize with "
+                                "--quantization instead of loading pre-quantized weights)")
+
+
+def nonfinite_weights(model) -> list[str]:
+    """Names of the parameters holding NaN or Inf (each would poison every output)."""
+    import torch
+
+    return [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]

@@ -85,6 +85,8 @@ def parse_budget(spec, device_bytes=None) -> Budget:
     if not m:
         raise UserError(f"--max-memory {text!r} is not a size; {hint}")
     value, unit = float(m.group(1)), m.group(2).lower()
+    if not value < 1e18:  # 1e18 bytes is an exabyte; larger (or inf) is a typo
+        raise UserError(f"--max-memory {text!r} is not a plausible size; {hint}")
     if unit == "%" or (unit == "" and 0 < value <= 1):
         fraction = value / 100 if unit == "%" else value
         if not 0 < fraction <= 1:
@@ -101,6 +103,11 @@ def parse_budget(spec, device_bytes=None) -> Budget:
     nbytes = int(value * _UNITS[unit])
     if nbytes <= 0:
         raise UserError(f"--max-memory {text} is not a positive size; {hint}")
+    total = device_bytes() if callable(device_bytes) else device_bytes
+    if total and nbytes > total:  # a pool sized past the memory fails at run time, not here
+        raise UserError(f"--max-memory {text} ({fmt_bytes(nbytes)}) exceeds this machine's "
+                        f"{fmt_bytes(total)} of memory (or its cgroup limit); give at most "
+                        f"{fmt_bytes(total)}, or a fraction such as 0.5")
     return Budget(text, nbytes)
 
 

@@ -213,6 +213,9 @@ def weights_from_module(mod) -> list:
     return out
 
 
+MAX_KV_TOKENS = 2**31 - 1
+
+
 def check_options(budget: Budget | None, kv_cache_tokens: int | None) -> None:
     if budget is not None and kv_cache_tokens is not None:
         raise UserError("give --max-memory or --kv-cache-tokens, not both: the budget sizes the "
@@ -266,10 +269,14 @@ def plan_memory(mod=None, *, weights=None, activations: ActivationPlan | None = 
     if budget is not None:
         fixed = weight_bytes + acts.resident_bytes + logits + reserve
         page_bytes = per_token * page_size
-        # the workspace grows by a few bytes per page: solve for pages, then re-check
-        pool = KVPool.from_bytes(budget.bytes - fixed - workspace(0), per_token, page_size)
-        while pool.pages > 0 and fixed + workspace(pool.pages) + pool.bytes > budget.bytes:
-            pool = KVPool(per_token, page_size, pool.pages - 1)
+        # the workspace grows linearly with the page count (page tables): solve
+        # fixed + workspace(0) + pages * (page_bytes + per_page) <= budget in one division
+        per_page = workspace(1) - workspace(0)
+        pages = max(0, (budget.bytes - fixed - workspace(0)) // (page_bytes + per_page))
+        pages = min(pages, MAX_KV_TOKENS // page_size)  # TVM's cache indexes tokens in int32
+        while pages > 0 and fixed + workspace(pages) + pages * page_bytes > budget.bytes:
+            pages -= 1  # never taken while the workspace is linear; kept as the guarantee
+        pool = KVPool(per_token, page_size, pages)
         min_tokens = min(context_window or default_ctx, prefill_chunk_size)
         min_pages = pages_for_tokens(min_tokens, page_size) + 1
         if pool.pages < min_pages:

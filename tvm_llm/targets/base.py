@@ -51,9 +51,10 @@ class TargetSpec:
         """Extra tvm.transform.PassContext config for this target's compile."""
         return {}
 
-    def export_library(self, executable, path: str) -> None:
-        """Link the compiled module into a shared library at `path`."""
-        executable.export_library(path)
+    def export_library(self, executable, path: str, workspace_dir: str | None = None) -> None:
+        """Link the compiled module into a shared library at `path`; object files go to
+        `workspace_dir` (the build's own temporary directory)."""
+        executable.export_library(path, workspace_dir=workspace_dir)
 
     def emit_source(self, executable, out_dir: str) -> list[str]:
         """Write the generated code (assembly / CUDA / PTX) under out_dir; return the files."""

@@ -85,8 +85,9 @@ class CUDATarget(TargetSpec):
         return {**super().describe(), "device_type": self.device_type, "device_code": "ptx"}
 
     # ------------------------------------------------------------------ export
-    def export_library(self, executable, path: str) -> None:
-        executable.export_library(path, fpack_imports=_ptx_packer(self))
+    def export_library(self, executable, path: str, workspace_dir: str | None = None) -> None:
+        executable.export_library(path, fpack_imports=_ptx_packer(self),
+                                  workspace_dir=workspace_dir)
 
     def emit_source(self, executable, out_dir: str) -> list[str]:
         os.makedirs(out_dir, exist_ok=True)

@@ -80,13 +80,14 @@ class LLVMTarget(TargetSpec):
 
         return [cpu_schedule_pass(self)]
 
-    def export_library(self, executable, path: str) -> None:
+    def export_library(self, executable, path: str, workspace_dir: str | None = None) -> None:
         if self.cross:
             from .cross import cross_compiler
 
-            executable.export_library(path, fcompile=cross_compiler(self.arch))
+            executable.export_library(path, fcompile=cross_compiler(self.arch),
+                                      workspace_dir=workspace_dir)
         else:
-            executable.export_library(path)
+            executable.export_library(path, workspace_dir=workspace_dir)
 
     def emit_source(self, executable, out_dir: str) -> list[str]:
         os.makedirs(out_dir, exist_ok=True)

@@ -77,9 +77,9 @@ class ROCmTarget(TargetSpec):
     def describe(self) -> dict:
         return {**super().describe(), "device_type": self.device_type, "device_code": "hsaco"}
 
-    def export_library(self, executable, path: str) -> None:
+    def export_library(self, executable, path: str, workspace_dir: str | None = None) -> None:
         # the device modules already hold linked code objects (hsaco): TVM packs them as is
-        executable.export_library(path)
+        executable.export_library(path, workspace_dir=workspace_dir)
 
     def emit_source(self, executable, out_dir: str) -> list[str]:
         os.makedirs(out_dir, exist_ok=True)

@@ -124,8 +124,12 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
         raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     for name, value in (("max_batch_size", max_batch_size), ("prefill_chunk_size", prefill_chunk_size),
                         ("page_size", page_size)):
-        if not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{name} must be a positive integer, got {value!r}")
+    for name, value in (("context_window", context_window), ("kv_cache_tokens", kv_cache_tokens)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 1 <= value < 2**31):
+            raise UserError(f"{name} must be a positive integer below 2^31, got {value!r}")
     spec.check_page_size(page_size)
     scheme = parse_scheme(quantization, group_size, activations, keep_float)
     if scheme is not None and scheme.activations == "int8" and not spec.supports_int8_dot():

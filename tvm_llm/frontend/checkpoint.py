@@ -40,12 +40,16 @@ def read_config(model_dir: str):
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UserError(f"{path}: model_type {model_type!r} has no causal-LM head in transformers; "
                         "tvm_llm compiles decoder-only language models")
+    check_config_sizes(raw, path)  # before transformers, which may divide by them
+    if isinstance(raw.get("text_config"), dict):
+        check_config_sizes(raw["text_config"], path)
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except Exception as e:  # transformers raises many types for a malformed config
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{path}: transformers cannot read this config ({first})") from None
-    check_config_sizes(config, path)
+    text = config.get_text_config()
+    check_config_sizes({k: getattr(text, k, None) for k in SIZE_FIELDS}, path)
     return config
 
 
@@ -56,12 +60,12 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_
 MAX_SIZE = 1 << 24  # far above any real model's dimension, below what would overflow int32 math
 
 
-def check_config_sizes(config, path: str) -> None:
-    """Types and ranges of the sizes: a zero, negative, fractional, boolean, string or absurd
-    value is refused here instead of failing (or allocating) deep in the trace."""
-    cfg = config.get_text_config()
+def check_config_sizes(values: dict, path: str) -> None:
+    """Types and ranges of the sizes in `values` (config fields): a zero, negative, fractional,
+    boolean, string or absurd value is refused here instead of failing (or allocating) deep in
+    transformers or the trace."""
     for name in SIZE_FIELDS:
-        value = cfg.to_dict().get(name, None) if hasattr(cfg, "to_dict") else getattr(cfg, name, None)
+        value = values.get(name)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
@@ -170,6 +174,13 @@ def check_weight_dtypes(model_dir: str) -> None:
         if not isinstance(header, dict):
             raise UserError(f"{path}: not a readable safetensors file; re-download or "
                             "re-save the weights")
+        ends = [info["data_offsets"][1] for key, info in header.items()
+                if key != "__metadata__" and isinstance(info, dict)
+                and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+                and isinstance(info["data_offsets"][1], int)]
+        if 8 + n + max(ends, default=0) > os.path.getsize(path):
+            raise UserError(f"{path}: truncated ({os.path.getsize(path)} bytes, its header "
+                            f"describes {8 + n + max(ends)}); re-download the weights")
         for key, info in sorted(header.items()):
             if key == "__metadata__" or not isinstance(info, dict):
                 continue

@@ -128,8 +128,22 @@ def _half_matmul_converters() -> dict:
             bias = bb.emit(rx.op.astype(bias, out_dtype))
         return bb.emit(rx.op.add(bias, res))
 
+    def layer_norm(node, importer):  # TVM's layer_norm kernel takes float32/float16 only
+        x = importer.env[node.args[0]]
+        if str(x.ty.dtype) != "bfloat16":
+            return importer._layer_norm(node)
+        bb = importer.block_builder
+        gamma = importer.env[node.args[2]] if len(node.args) > 2 else None
+        beta = importer.env[node.args[3]] if len(node.args) > 3 else None
+        eps = node.args[4] if len(node.args) > 4 else 1e-05
+        # in float32, as torch's CPU kernel computes a bfloat16 layer norm
+        x, gamma, beta = (None if t is None else bb.emit(rx.op.astype(t, "float32"))
+                          for t in (x, gamma, beta))
+        out = importer._layer_norm_impl(x, gamma, beta, eps, node.args[1])
+        return bb.emit(rx.op.astype(out, "bfloat16"))
+
     return {"mm.default": matmul, "matmul.default": matmul, "bmm.default": matmul,
-            "addmm.default": addmm}
+            "addmm.default": addmm, "layer_norm.default": layer_norm}
 
 
 def _weight_sources(ep) -> dict:

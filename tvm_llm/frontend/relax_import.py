@@ -131,10 +131,11 @@ def _half_matmul_converters() -> dict:
     def layer_norm(node, importer):  # TVM's layer_norm kernel takes float32/float16 only
         x = importer.env[node.args[0]]
         if str(x.ty.dtype) != "bfloat16":
-            return importer._layer_norm(node)
+            native = str(node.target).startswith("aten.native_layer_norm")
+            return (importer._native_layer_norm if native else importer._layer_norm)(node)
         bb = importer.block_builder
-        gamma = importer.env[node.args[2]] if len(node.args) > 2 else None
-        beta = importer.env[node.args[3]] if len(node.args) > 3 else None
+        gamma = importer.env.get(node.args[2]) if len(node.args) > 2 else None
+        beta = importer.env.get(node.args[3]) if len(node.args) > 3 else None
         eps = node.args[4] if len(node.args) > 4 else 1e-05
         # in float32, as torch's CPU kernel computes a bfloat16 layer norm
         x, gamma, beta = (None if t is None else bb.emit(rx.op.astype(t, "float32"))
@@ -142,8 +143,37 @@ def _half_matmul_converters() -> dict:
         out = importer._layer_norm_impl(x, gamma, beta, eps, node.args[1])
         return bb.emit(rx.op.astype(out, "bfloat16"))
 
-    return {"mm.default": matmul, "matmul.default": matmul, "bmm.default": matmul,
-            "addmm.default": addmm, "layer_norm.default": layer_norm}
+    # unary math TVM cannot lower in bfloat16 (pow, tanh, erf: "only applies to float"):
+    # computed in float32 and rounded back, as torch's CPU kernels do for bfloat16
+    defaults = {}
+
+    def via_float32(key):
+        def convert(node, importer):
+            arg = node.args[0]
+            x = importer.env[arg]
+            if str(x.ty.dtype) != "bfloat16":
+                return defaults[key](node)
+            bb = importer.block_builder
+            importer.env[arg] = bb.emit(rx.op.astype(x, "float32"))
+            try:
+                out = defaults[key](node)
+            finally:
+                importer.env[arg] = x
+            return bb.emit(rx.op.astype(out, "bfloat16"))
+
+        def first_call(node, importer):  # the importer's own converter, before ours replaced it
+            if key not in defaults:
+                defaults[key] = importer.create_convert_map()[key]
+            return convert(node, importer)
+
+        return first_call
+
+    math = {k: via_float32(k) for k in ("pow.Tensor_Scalar", "tanh.default", "gelu.default",
+                                         "erf.default")}
+
+    return {**math, "mm.default": matmul, "matmul.default": matmul, "bmm.default": matmul,
+            "addmm.default": addmm, "layer_norm.default": layer_norm,
+            "native_layer_norm.default": layer_norm}
 
 
 def _weight_sources(ep) -> dict:

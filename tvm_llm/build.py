@@ -214,6 +214,7 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
     from .report import format_memory
 
     log(format_memory(memory.to_dict()))
+    planner.check_fits_machine(memory, spec.device_type)
     context_window, kv_cache_tokens = memory.context_window, memory.kv.max_total_seq_len
 
     with tvm.transform.PassContext(opt_level=3, config=spec.pass_context_config()):

@@ -222,6 +222,22 @@ def check_options(budget: Budget | None, kv_cache_tokens: int | None) -> None:
                         "KV cache")
 
 
+def check_fits_machine(plan: "MemoryPlan", device_type: str) -> None:
+    """A plan without a budget (--kv-cache-tokens, the defaults) must still fit the memory of
+    the device it is planned for, when that is known here: a KV pool past it would fail to
+    allocate at run time (bad_alloc), not at build time."""
+    from .kv_budget import device_memory_bytes
+
+    if plan.budget is not None:
+        return  # parse_budget refused budgets above the machine already
+    total = device_memory_bytes(device_type)
+    if total and plan.total_bytes > total:
+        raise UserError(f"the memory plan needs {fmt_bytes(plan.total_bytes)} (KV cache "
+                        f"{fmt_bytes(plan.kv.bytes)} for {plan.kv.tokens} tokens) but this "
+                        f"machine has {fmt_bytes(total)}; lower --kv-cache-tokens or give "
+                        "--max-memory")
+
+
 def check_weights_fit(budget: Budget | None, weight_bytes: int, device_type: str = "cpu") -> None:
     """The early check, as soon as the weights are known: a budget below them is refused."""
     if budget is None or budget.bytes > weight_bytes:
@@ -375,7 +391,7 @@ def plan_checkpoint(model_dir: str, target: str = "llvm", arch: str | None = Non
     mod = run_pipeline(imported.mod, spec, quantization=scheme,
                        checkpoint_names=imported.relax_names)[0]
     attn = imported.attention
-    return plan_memory(mod, vocab_size=imported.vocab_size,
+    plan = plan_memory(mod, vocab_size=imported.vocab_size,
                        num_layers=attn.num_layers, num_heads=attn.num_heads,
                        num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                        v_head_dim=attn.v_head_dim, dtype=dtype, device_type=spec.device_type,
@@ -383,3 +399,5 @@ def plan_checkpoint(model_dir: str, target: str = "llvm", arch: str | None = Non
                        kv_cache_tokens=kv_cache_tokens, max_batch_size=max_batch_size,
                        prefill_chunk_size=prefill_chunk_size, page_size=page_size,
                        max_position_embeddings=max_pos)
+    check_fits_machine(plan, spec.device_type)
+    return plan

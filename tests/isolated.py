@@ -75,7 +75,16 @@ def _child(kind: str, payload, cwd: str, out_path: str, err_path: str) -> None:
 
 
 def run(kind: str, payload, cwd: str, timeout: float = 300) -> Outcome:
-    """kind "cli" (payload: argv list for `tvm-llm`) or "api" (payload: Python source)."""
+    """kind "cli" (payload: argv list for `tvm-llm`), "api" (payload: Python source), or
+    "subprocess" (argv run by a fresh `python -m tvm_llm.cli`: for commands that trace and
+    compile, whose thread pools are safest started in a process of their own)."""
+    if kind == "subprocess":
+        import subprocess
+        import sys
+
+        proc = subprocess.run([sys.executable, "-m", "tvm_llm.cli", *payload], cwd=cwd,
+                              capture_output=True, text=True, timeout=timeout)
+        return Outcome(proc.returncode, proc.stderr, proc.stdout)
     ctx = _context()
     out_path = os.path.join(cwd, ".case-stdout")
     err_path = os.path.join(cwd, ".case-stderr")

@@ -141,7 +141,6 @@ BUILD_OPTION_CASES = {
     "context-too-long": (["--context-window", "100000"], "max_position_embeddings"),
     "kv-tokens-float": (["--kv-cache-tokens", "1e3"], "--kv-cache-tokens"),
     "kv-tokens-huge": (["--kv-cache-tokens", "99999999999"], "--kv-cache-tokens"),
-    "kv-tokens-above-machine": (["--kv-cache-tokens", "2000000000"], "lower --kv-cache-tokens"),
     "memory-1e30GB": (["--max-memory", "1e30GB"], "--max-memory"),
     "memory-above-machine": (["--max-memory", "1000TB"], "exceeds this machine"),
     "memory-words": (["--max-memory", "lots"], "not a size"),

@@ -133,14 +133,15 @@ def nan_build(tmp_path_factory):
     t = load_file(path)
     t["model.layers.1.self_attn.o_proj.weight"][3, 5] = np.nan
     save_file(t, path, metadata={"format": "pt"})
-    r = isolated.run("cli", ["build", "ck", "-o", "out", "--max-batch-size", "2",
-                             "--prefill-chunk-size", "64"], str(root))
+    r = isolated.run("subprocess", ["build", "ck", "-o", "out", "--max-batch-size", "2",
+                                    "--prefill-chunk-size", "64"], str(root), timeout=900)
     return root, r
 
 
 def test_build_warns_about_non_finite_weights(nan_build):
     root, r = nan_build
     assert r.exitcode == 0, r.stderr
+    assert "Traceback" not in r.stderr
     warnings = [l for l in r.err_lines if l.startswith("tvm-llm: warning:")]
     assert len(warnings) == 1 and "model.layers.1.self_attn.o_proj.weight" in warnings[0]
     assert "NaN or Inf" in warnings[0] and "Traceback" not in r.stderr
@@ -220,6 +221,17 @@ def test_budget_above_the_machine_is_refused():
     with pytest.raises(UserError, match="exceeds this machine"):
         parse_budget(f"{2 * host_memory_bytes()}B", host_memory_bytes)
     assert parse_budget("8GiB", 16 * 2**30).bytes == 8 * 2**30
+
+
+def test_a_kv_cache_larger_than_the_machine_is_refused_at_build_time(checkpoint, tmp_path):
+    """Without --max-memory the pool is sized by --kv-cache-tokens: 2e9 tokens of the tiny
+    llama need ~1 TB, which used to build and then fail to allocate in generate."""
+    r = isolated.run("subprocess", ["build", checkpoint("llama"), "-o", "out",
+                                    "--kv-cache-tokens", "2000000000"], str(tmp_path), timeout=900)
+    assert r.exitcode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.err_lines[-1].startswith("tvm-llm: error: the memory plan needs")
+    assert "lower --kv-cache-tokens" in r.err_lines[-1]
+    assert os.listdir(tmp_path) == []
 
 
 def test_plan_refuses_an_absurd_budget_at_once(checkpoint, tmp_path):

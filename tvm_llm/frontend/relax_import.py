@@ -81,13 +81,17 @@ def _attention_converter(layers: dict, cache_var, cache_dtype: str | None = None
     return {"paged_attention.default": convert}
 
 
-def _half_matmul_converters() -> dict:
-    """Matmuls of a float16/bfloat16 model. TVM's importer computes every matmul with a float32
-    result, so the activations downstream of a linear are float32 while the weights stay half;
-    its own converter then casts the *weight* up to float32 (folded at build time into a
-    float32 copy: o_proj/down_proj stored at twice the bytes). Here the float32 operand is cast
-    down instead, to the dtype torch has there (both operands are half in the traced model),
-    and the product still accumulates in float32. Float32 models are converted as before."""
+def _half_precision_converters() -> dict:
+    """Converters for float16/bfloat16 models; float32 models are converted as before.
+
+    * Matmuls: TVM's importer computes every matmul with a float32 result, so the activations
+      downstream of a linear are float32 while the weights stay half; its own converter then
+      casts the *weight* up to float32 (folded at build time into a float32 copy: o_proj and
+      down_proj stored at twice the bytes). Here the float32 operand is cast down instead, to
+      the dtype torch has there (both operands are half in the traced model), and the product
+      still accumulates in float32.
+    * bfloat16 layer norm, pow, tanh, gelu, erf: TVM cannot lower them in bfloat16; they are
+      computed in float32 and rounded back, as torch's CPU kernels do."""
     from tvm import relax as rx
 
     half = ("float16", "bfloat16")
@@ -199,7 +203,7 @@ def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
     cache_var = rx.Var("paged_kv_cache", rx.ObjectType())
     mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,
                                 custom_convert_map={
-                                    **_half_matmul_converters(),
+                                    **_half_precision_converters(),
                                     **_attention_converter(layers, cache_var, dtype)})
     func = mod["main"]
     n_in = int(func.attrs["num_input"])
@@ -336,7 +340,8 @@ def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target, page_si
             # the q/k/v split kernel (fused_rope; rotary is off here, it only copies) fails
             # LLVM codegen once vectorized in bfloat16 (TVM's bf16 legalization meets a Let
             # in the vector loop): left to TVM's default lowering, serial and correct
-            kv_mod["fused_rope"] = kv_mod["fused_rope"].with_attr("tirx.is_scheduled", True)
+            if "fused_rope" in {gv.name_hint for gv in kv_mod.get_global_vars()}:
+                kv_mod["fused_rope"] = kv_mod["fused_rope"].with_attr("tirx.is_scheduled", True)
     for gv, func in mod.functions_items():
         kv_mod[gv.name_hint] = func
     return kv_mod

@@ -278,6 +278,21 @@ def test_api_key_missing_template_and_full_queue(chat_build, tmp_path):
         s.stop()
 
 
+def test_generate_chat_renders_the_template(chat_build, engine, tmp_path, capsys):
+    from tvm_llm.cli import main
+
+    expected = engine.decode(engine.generate_ids([_chat_ids(engine, "hello")], max_new_tokens=8)[0])
+    assert main(["generate", chat_build, "--chat", "--prompt", "hello", "--max-new-tokens", "8",
+                 "--threads", "1"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+    plain = str(tmp_path / "plain")
+    shutil.copytree(chat_build, plain)
+    os.remove(os.path.join(plain, "chat_template.jinja"))
+    assert main(["generate", plain, "--chat", "--prompt", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "no chat template" in err and len(err.strip().splitlines()) == 1
+
+
 def test_sigterm_finishes_requests_in_flight(server, engine):
     """Last in the module: SIGTERM while 4 streams run; each still gets all its tokens."""
     client = server.client()

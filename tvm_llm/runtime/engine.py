@@ -60,7 +60,7 @@ class TokenEvent:
     error: Exception | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: requests are found in the queues by `is`
 class _Request:
     rid: int
     prompt_ids: list

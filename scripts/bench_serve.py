@@ -349,14 +349,17 @@ def plot(results: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for system, loads in results.items():
         for kind, style in (("closed", "o-"), ("poisson", "s--")):
-            pts = [(s["tok_s"], s["itl_p99"] * 1e3, s["ttft_p99"] * 1e3)
+            pts = [(s["tok_s"], s["itl_p99"] * 1e3, s["ttft_p99"] * 1e3, load.split(" ", 1)[1])
                    for load, s in loads.items() if s and load.startswith(kind)]
             if not pts:
                 continue
             pts.sort()
             x = [p[0] for p in pts]
-            axes[0].plot(x, [p[1] for p in pts], style, label=f"{system} ({kind})")
-            axes[1].plot(x, [p[2] for p in pts], style, label=f"{system} ({kind})")
+            for ax, k in ((axes[0], 1), (axes[1], 2)):
+                ax.plot(x, [p[k] for p in pts], style, label=f"{system} ({kind})")
+                for p in pts:
+                    ax.annotate(p[3], (p[0], p[k]), fontsize=6, xytext=(3, 3),
+                                textcoords="offset points")
     for ax, what in zip(axes, ("inter-token latency p99 (ms)", "time to first token p99 (ms)")):
         ax.set_xlabel("output tokens/s (aggregate)")
         ax.set_ylabel(what)

@@ -123,8 +123,11 @@ def gguf(ckpt: str, qtype: str, threads: int) -> str:
     if not os.path.isfile(f32):
         llamacpp_ref._convert_f32(ckpt, f32)
     if qtype != "F32":
-        subprocess.run([llamacpp_server.quantize_exe(), f32, out + ".tmp", qtype, str(threads)],
-                       check=True, stdout=subprocess.DEVNULL)
+        proc = subprocess.run([llamacpp_server.quantize_exe(), f32, out + ".tmp", qtype,
+                               str(threads)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"llama-quantize failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
         os.replace(out + ".tmp", out)
     return out
 

@@ -56,7 +56,7 @@ def _generate(args) -> None:
     engine = Engine(args.output_dir, num_threads=args.threads)
     prompts = args.prompt or ["The "]
     shown = prompts
-    if args.chat:  # each prompt is one user message, rendered with the model's chat template
+    if getattr(args, "chat", False):  # each prompt: one user message through the chat template
         from .runtime import chat_template
 
         template = chat_template.load(args.output_dir)
@@ -84,7 +84,8 @@ def _serve(args) -> None:
 
     serve(args.output_dir, host=args.host, port=args.port, api_key=args.api_key,
           max_batch_size=args.max_batch_size, threads=args.threads, max_waiting=args.max_waiting,
-          model_name=args.model_name, log=lambda *a: print(*a, flush=True))
+          model_name=args.model_name, step_prefill_tokens=args.step_prefill_tokens,
+          log=lambda *a: print(*a, flush=True))
 
 
 def _verify(args) -> int:
@@ -297,6 +298,9 @@ def make_parser() -> argparse.ArgumentParser:
                     help="model id clients send (default: OUT's directory name)")
     sv.add_argument("--threads", type=_positive_int, default=None,
                     help="CPU threads (default: all cores, or $TVM_NUM_THREADS)")
+    sv.add_argument("--step-prefill-tokens", type=_positive_int, default=None,
+                    help="prompt tokens prefilled per step while other sequences decode "
+                    "(default: the build's prefill chunk); smaller evens out inter-token latency")
     sv.set_defaults(func=_serve)
 
     v = sub.add_parser("verify", help="compare a build with transformers, layer by layer",

@@ -51,23 +51,33 @@ def test_step_api_matches_generate_and_abort_frees_pages(engine):
     assert engine.cache.free_pages() == engine.cache.total_pages and engine.cache.sequences == {}
 
 
-def test_long_prompt_prefill_does_not_stall_running_sequences(engine):
-    """A prompt of several chunks is prefilled one chunk per step while running sequences
-    keep decoding a token every step."""
+@pytest.mark.parametrize("budget", [None, 16])
+def test_long_prompt_prefill_does_not_stall_running_sequences(engine, budget):
+    """A prompt of several chunks is prefilled one chunk per step (or `decode_prefill_tokens`
+    while others decode) and running sequences keep decoding a token every step; the tokens
+    equal a run without interleaving."""
     chunk = engine.cache.prefill_chunk_size
-    short = engine.add(PROMPTS[0], max_new_tokens=40, ignore_eos=True, buffer=False)[0]
-    engine.step()  # the short prompt is prefilled and decoding
+    per_step = budget or chunk
     long_prompt = [(7 * i) % 300 + 3 for i in range(3 * chunk + 5)]
-    long_rid = engine.add(long_prompt, max_new_tokens=2, ignore_eos=True, buffer=False)[0]
-    first_long = None
-    for step in range(1, 8):
-        events = engine.step()
-        assert any(e.request_id == short for e in events), f"step {step}: the short sequence stalled"
-        if first_long is None and any(e.request_id == long_rid for e in events):
-            first_long = step
-    assert first_long == 4  # ceil((3 * chunk + 5) / chunk) steps of prefill
-    engine.abort(short)
-    engine.abort(long_rid)
+    expected = engine.generate_ids([long_prompt], max_new_tokens=2, ignore_eos=True)[0]
+    engine.decode_prefill_tokens = budget
+    try:
+        short = engine.add(PROMPTS[0], max_new_tokens=200, ignore_eos=True, buffer=False)[0]
+        engine.step()  # the short prompt is prefilled and decoding
+        long_rid = engine.add(long_prompt, max_new_tokens=2, ignore_eos=True, buffer=False)[0]
+        got, first_long = [], None
+        for step in range(1, 3 * chunk // per_step + 5):
+            events = engine.step()
+            assert any(e.request_id == short for e in events), f"step {step}: the short one stalled"
+            got += [e.token for e in events if e.request_id == long_rid]
+            if first_long is None and got:
+                first_long = step
+        assert first_long == -(-len(long_prompt) // per_step)
+        assert got == expected
+    finally:
+        engine.decode_prefill_tokens = None
+        engine.abort(short)
+        engine.abort(long_rid)
     assert engine.cache.free_pages() == engine.cache.total_pages
 
 

@@ -117,6 +117,9 @@ class Engine:
         self._running: list = []  # requests decoding one token per step
         self._requests: dict = {}  # request id -> _Request, until its last event is taken
         self._next_rid = 0
+        # prompt tokens prefilled per step while other sequences decode (None: a whole chunk);
+        # smaller evens out their inter-token latency, at some prefill throughput
+        self.decode_prefill_tokens: int | None = None
         self._update_stats()
 
     # -------------------------------------------------------------- tokenizer
@@ -480,9 +483,13 @@ class Engine:
         return need
 
     def _prefill_chunk(self, events: list) -> None:
-        """Prefill up to one chunk of tokens from the prefilling groups, oldest first; a group
+        """Prefill up to one chunk of tokens (at most `decode_prefill_tokens` while sequences are
+        decoding, when set) from the prefilling groups, oldest first; a group
         whose prompt is complete samples its first tokens (forking its other samples) and runs."""
-        batch, room = [], self.cache.prefill_chunk_size
+        room = self.cache.prefill_chunk_size
+        if self._running and self.decode_prefill_tokens:
+            room = min(room, self.decode_prefill_tokens)  # keep the running sequences' step short
+        batch = []
         for g in self._prefilling:
             if room == 0:
                 break

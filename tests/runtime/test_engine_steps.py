@@ -112,3 +112,19 @@ def test_threads_share_one_engine_and_match_the_serial_run(engine):
     assert errors == []
     assert results == serial
     assert engine.cache.free_pages() == engine.cache.total_pages and engine.cache.sequences == {}
+
+
+def test_aborting_the_prefilling_leader_keeps_its_forked_sample(engine):
+    """n=2 on a prompt longer than a chunk: the first sample (whose sequence carries the
+    prompt) is aborted mid-prefill; the second still forks from it and equals a normal run."""
+    prompt = [(5 * i) % 200 + 3 for i in range(engine.cache.prefill_chunk_size + 9)]
+    kw = dict(max_new_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    expected = engine.generate_ids([prompt], n=2, **kw)[0][1]
+    first, second = engine.add(prompt, n=2, buffer=False, **kw)
+    engine.step()  # one chunk of the prompt is in the cache
+    engine.abort(first)
+    got = []
+    while engine.has_work():
+        got += [e.token for e in engine.step() if e.request_id == second]
+    assert got == expected
+    assert engine.cache.free_pages() == engine.cache.total_pages and engine.cache.sequences == {}

@@ -298,8 +298,15 @@ class Engine:
             if r in self._running:
                 self._running.remove(r)
                 self._free(r)
-            # a prefilling leader stays until its prompt is in the cache if samples fork from it
-            self._prefilling = [g for g in self._prefilling if not _all_aborted(g) or self._free(g[0])]
+            # a prefilling leader stays until its prompt is in the cache if samples fork from it;
+            # a group with no live sample left is dropped with its pages
+            kept = []
+            for g in self._prefilling:
+                if _all_aborted(g):
+                    self._free(g[0])
+                else:
+                    kept.append(g)
+            self._prefilling = kept
             self._update_stats()
 
     def has_work(self) -> bool:
@@ -538,11 +545,10 @@ class Engine:
         r.finish_reason = "error"
         return TokenEvent(r.rid, -1, "error", error=err)
 
-    def _free(self, r: _Request) -> bool:
+    def _free(self, r: _Request) -> None:
         if r.seq_id in self.cache.sequences:
             self.cache.remove(r.seq_id)
         r.seq_id = -1
-        return False
 
     def _retire(self) -> None:
         for r in [r for r in self._running if r.finish_reason is not None]:

@@ -86,7 +86,7 @@ async def _json_body(request: Request) -> dict:
 def _check_model(state: ServerState, body: dict) -> None:
     model = body.get("model")
     if not isinstance(model, str):
-        raise protocol._bad("model", "a string naming the served model", model)
+        raise protocol.bad_field("model", "a string naming the served model", model)
     if model != state.model_id:
         raise ApiError(404, f"model '{model}' does not exist; this server serves "
                        f"'{state.model_id}' (GET /v1/models)", param="model",

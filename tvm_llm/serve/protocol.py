@@ -55,7 +55,7 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _bad(param: str, what: str, value) -> ApiError:
+def bad_field(param: str, what: str, value) -> ApiError:
     shown = repr(value)
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
     return ApiError(400, f"'{param}' must be {what}, got {shown}", param=param,
@@ -67,7 +67,7 @@ def _opt(body: dict, name: str, check, what: str, default):
     if value is None:
         return default
     if not check(value):
-        raise _bad(name, what, value)
+        raise bad_field(name, what, value)
     return value
 
 
@@ -86,7 +86,7 @@ def common_params(body: dict, max_n: int, default_max_tokens: int | None) -> Gen
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
         name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        raise _bad(name, "an integer >= 1", max_tokens)
+        raise bad_field(name, "an integer >= 1", max_tokens)
     p = GenParams(max_tokens if max_tokens is not None else default_max_tokens)
     p.temperature = float(_opt(body, "temperature", lambda v: _is_num(v) and 0 <= v <= 2,
                                "a number in [0, 2]", 1.0))
@@ -102,13 +102,13 @@ def common_params(body: dict, max_n: int, default_max_tokens: int | None) -> Gen
         stop = [stop]
     if stop is not None and (not isinstance(stop, list) or len(stop) > 16
                              or not all(isinstance(s, str) and s for s in stop)):
-        raise _bad("stop", "a non-empty string or a list of up to 16 of them", stop)
+        raise bad_field("stop", "a non-empty string or a list of up to 16 of them", stop)
     p.stop = stop or []
     p.stream = _opt(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
     options = _opt(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     p.include_usage = options.get("include_usage", False)
     if not isinstance(p.include_usage, bool):
-        raise _bad("stream_options.include_usage", "a boolean", p.include_usage)
+        raise bad_field("stream_options.include_usage", "a boolean", p.include_usage)
     p.ignore_eos = _opt(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False)
     return p
 
@@ -126,7 +126,7 @@ def completion_prompts(body: dict) -> list:
             return list(prompt)
         if all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in prompt):
             return list(prompt)
-    raise _bad("prompt", "a string, a list of strings, a list of token ids or a list of such lists",
+    raise bad_field("prompt", "a string, a list of strings, a list of token ids or a list of such lists",
                prompt)
 
 
@@ -136,7 +136,7 @@ def completion_params(body: dict, max_n: int) -> GenParams:
     lp = body.get("logprobs")
     if lp is not None and lp is not False:
         if not _is_int(lp) or not 0 <= lp <= 20:
-            raise _bad("logprobs", "an integer in [0, 20]", lp)
+            raise bad_field("logprobs", "an integer in [0, 20]", lp)
         p.logprobs = lp
     return p
 
@@ -145,28 +145,28 @@ def chat_messages(body: dict) -> list:
     """`messages` as the template expects them: role and content strings (text parts joined)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "a non-empty list of messages", messages)
+        raise bad_field("messages", "a non-empty list of messages", messages)
     out = []
     for i, m in enumerate(messages):
         name = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _bad(name, "an object with 'role' and 'content'", m)
+            raise bad_field(name, "an object with 'role' and 'content'", m)
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or role not in ("system", "developer", "user", "assistant",
                                                      "tool"):
-            raise _bad(f"{name}.role", "one of system, developer, user, assistant, tool", role)
+            raise bad_field(f"{name}.role", "one of system, developer, user, assistant, tool", role)
         if isinstance(content, list):  # content parts: only text can go to a text model
             texts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text" \
                         or not isinstance(part.get("text"), str):
-                    raise _bad(f"{name}.content", "a string or a list of text parts", part)
+                    raise bad_field(f"{name}.content", "a string or a list of text parts", part)
                 texts.append(part["text"])
             content = "".join(texts)
         if content is None and role == "assistant":
             content = ""
         if not isinstance(content, str):
-            raise _bad(f"{name}.content", "a string or a list of text parts", content)
+            raise bad_field(f"{name}.content", "a string or a list of text parts", content)
         out.append({**{k: v for k, v in m.items() if k not in ("role", "content")},
                     "role": role, "content": content})
     return out
@@ -182,5 +182,5 @@ def chat_params(body: dict, max_n: int) -> GenParams:
     p.logprobs = (top or 0) if want else None
     add_gen = body.get("add_generation_prompt", True)
     if not isinstance(add_gen, bool):
-        raise _bad("add_generation_prompt", "a boolean", add_gen)
+        raise bad_field("add_generation_prompt", "a boolean", add_gen)
     return p

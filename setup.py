@@ -22,8 +22,12 @@ setup(
         "cloudpickle",  # MetaSchedule worker pools
         "tornado",  # TVM RPC
         "ziglang",  # LLVM-22 ld.lld for ROCm code objects and cross links
+        "starlette>=0.37,<2",  # tvm-llm serve: ASGI routes and server-sent events
+        "uvicorn>=0.30,<1",  # tvm-llm serve: the ASGI server (graceful SIGTERM drain)
+        "jinja2>=3.1,<4",  # chat templates, rendered in jinja2's sandbox
+        "prometheus-client>=0.20,<1",  # tvm-llm serve: /metrics
     ],
-    extras_require={"test": ["pytest"],
+    extras_require={"test": ["pytest", "openai>=1.40,<4"],  # openai: the serve tests' client
                     "report": ["matplotlib"]},  # scripts/memory_report.py plots
     entry_points={"console_scripts": ["tvm-llm = tvm_llm.cli:main"]},
 )

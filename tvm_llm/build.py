@@ -13,7 +13,7 @@ import time
 
 from . import __version__
 from .errors import NonFiniteWarning, UserError
-from .runtime import artifact
+from .runtime import artifact, chat_template
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -232,6 +232,10 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
         table = artifact.save_weights(os.path.join(tmp, artifact.WEIGHTS), names, weights)
         for name in tok_files:
             shutil.copy(os.path.join(model_dir, name), os.path.join(tmp, name))
+        template = chat_template.find(model_dir)  # rendered by `serve` and `generate --chat`
+        if template is not None:
+            with open(os.path.join(tmp, chat_template.FILE), "w", encoding="utf-8") as f:
+                f.write(template)
         sources = spec.emit_source(executable, os.path.join(tmp, "source")) if emit_source else []
         attn = imported.attention
         manifest = {

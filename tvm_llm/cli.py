@@ -56,18 +56,37 @@ def _generate(args) -> None:
 
     engine = Engine(args.output_dir, num_threads=args.threads)
     prompts = args.prompt or ["The "]
+    shown = prompts
+    if getattr(args, "chat", False):  # each prompt: one user message through the chat template
+        from .runtime import chat_template
+
+        template = chat_template.load(args.output_dir)
+        if template is None:
+            raise UserError(chat_template.no_template_message(args.output_dir))
+        prompts = [chat_template.encode(engine, template.render([{"role": "user", "content": p}]))
+                   for p in prompts]
+        shown = [""] * len(prompts)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                   stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos)
     if len(prompts) == 1:  # stream the text as it is produced
-        sys.stdout.write(prompts[0])
+        sys.stdout.write(shown[0])
         for _, piece in engine.stream(prompts, **kwargs):
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
         return
     for i, text in enumerate(engine.generate(prompts, **kwargs)):
-        print(f"--- [{i}] {prompts[i]}{text}")
+        print(f"--- [{i}] {shown[i]}{text}")
+
+
+def _serve(args) -> None:
+    from .serve.app import serve
+
+    serve(args.output_dir, host=args.host, port=args.port, api_key=args.api_key,
+          max_batch_size=args.max_batch_size, threads=args.threads, max_waiting=args.max_waiting,
+          model_name=args.model_name, step_prefill_tokens=args.step_prefill_tokens,
+          log=lambda *a: print(*a, flush=True))
 
 
 def _verify(args) -> int:
@@ -305,7 +324,31 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
     g.add_argument("--threads", type=_positive_int, default=None,
                    help="CPU threads (default: all cores, or $TVM_NUM_THREADS)")
+    g.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message through the model's chat template")
     g.set_defaults(func=_generate)
+
+    sv = sub.add_parser("serve", help="serve a build over an OpenAI-compatible HTTP API",
+                        description="OpenAI-compatible server (/v1/completions, "
+                        "/v1/chat/completions, /v1/models, /health, /metrics) with continuous "
+                        "batching. SIGTERM drains open requests, then exits.")
+    sv.add_argument("output_dir", metavar="OUT", help="directory written by `tvm-llm build`")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
+    sv.add_argument("--api-key", default=os.environ.get("TVM_LLM_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' (default: $TVM_LLM_API_KEY)")
+    sv.add_argument("--max-batch-size", type=_positive_int, default=None,
+                    help="sequences decoded together (default: the build's)")
+    sv.add_argument("--max-waiting", type=_positive_int, default=256,
+                    help="queued requests beyond which new ones get 429 (default 256)")
+    sv.add_argument("--model-name", default=None,
+                    help="model id clients send (default: OUT's directory name)")
+    sv.add_argument("--threads", type=_positive_int, default=None,
+                    help="CPU threads (default: all cores, or $TVM_NUM_THREADS)")
+    sv.add_argument("--step-prefill-tokens", type=_positive_int, default=None,
+                    help="prompt tokens prefilled per step while other sequences decode "
+                    "(default: the build's prefill chunk); smaller evens out inter-token latency")
+    sv.set_defaults(func=_serve)
 
     v = sub.add_parser("verify", help="compare a build with transformers, layer by layer",
                        description="Run the build in OUT and transformers (the checkpoint MODEL_DIR, "

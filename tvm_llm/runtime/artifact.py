@@ -4,6 +4,7 @@
     OUT/weights.bin     all weights, raw, 64-byte aligned, in parameter order
     OUT/manifest.json   model, target, KV-cache config, parameter table, build report
     OUT/tokenizer.json  (+ tokenizer_config.json ...) copied from the checkpoint
+    OUT/chat_template.jinja  the checkpoint's chat template, when it has one (chat_template.py)
     OUT/source/         generated code, with --emit-source
 
 Only numpy and the standard library are used, so a deployment needs no torch.

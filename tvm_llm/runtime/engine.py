@@ -13,14 +13,26 @@ Memory: sequences are admitted while the KV page pool has room for their prompt 
 slots remain); when running sequences outgrow the pool, the youngest is preempted (its pages
 freed) and requeued, to be recomputed from its prompt and the tokens it already produced.
 A sequence that cannot fit even alone raises PagePoolFull; the engine stays usable.
+
+Scheduling: one scheduler, driven by a step-level API that `generate`/`stream` loop over and
+that a server drives directly (continuous batching):
+
+    rids = engine.add([5, 9, 33], max_new_tokens=16)   # queue a prompt (n samples -> n ids)
+    events = engine.step()   # admit, prefill <= one chunk, decode all running: TokenEvents
+    engine.abort(rids[0])    # drop a request; its pages return at once
+
+The engine is thread-safe: every call that touches the VM or the KV cache holds one lock, and
+threads calling `generate` at once share steps (their sequences decode in the same batch).
 """
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import UserError
 from . import artifact
 from .kv_cache import PagedKVCache, PagePoolFull  # noqa: F401  (re-exported)
 from .sampling import SamplingParams, sample
@@ -37,18 +49,33 @@ def configure_threads(num_threads: int | None = None) -> int:
 
 
 @dataclass
+class TokenEvent:
+    """One generated token of one request (or its failure: token -1, error set)."""
+
+    request_id: int
+    token: int
+    finish_reason: str | None = None  # "stop" (a stop/eos token), "length", "error"
+    logprob: float | None = None  # log-probability of `token` (when the request asked)
+    top_logprobs: list | None = None  # [(token id, log-probability)], most likely first
+    error: Exception | None = None
+
+
+@dataclass(eq=False)  # compared by identity: requests are found in the queues by `is`
 class _Request:
-    index: int
+    rid: int
     prompt_ids: list
     max_new_tokens: int
     params: SamplingParams
     rng: np.random.Generator
     stop_ids: set
+    logprobs: int | None
+    buffer: bool
     seq_id: int = -1
     admitted: int = -1  # admission order: the highest is the youngest
     output_ids: list = field(default_factory=list)
-    done: bool = False
-    emitted_text: str = ""
+    pending: list = field(default_factory=list)  # tokens still to prefill (the group's leader)
+    finish_reason: str | None = None
+    events: list = field(default_factory=list)
 
 
 class Engine:
@@ -83,6 +110,17 @@ class Engine:
         self.eos_token_ids = set(tok.get("eos_token_ids") or [])
         self.add_bos = bool(tok.get("add_bos"))
         self.bos_token_id = tok.get("bos_token_id")
+        self.vocab_size = int(self.manifest["model"]["vocab_size"])
+        self._lock = threading.RLock()  # one VM, one KV cache: one caller at a time
+        self._waiting: list = []  # groups (the n samples of a prompt), in arrival order
+        self._prefilling: list = []  # admitted groups whose prompt is not all in the cache yet
+        self._running: list = []  # requests decoding one token per step
+        self._requests: dict = {}  # request id -> _Request, until its last event is taken
+        self._next_rid = 0
+        # prompt tokens prefilled per step while other sequences decode (None: a whole chunk);
+        # smaller evens out their inter-token latency, at some prefill throughput
+        self.decode_prefill_tokens: int | None = None
+        self._update_stats()
 
     # -------------------------------------------------------------- tokenizer
     @property
@@ -99,6 +137,27 @@ class Engine:
             ids = [self.bos_token_id] + ids
         return ids
 
+    def check_token_ids(self, ids) -> list:
+        """A prompt of token ids as ints, each in [0, vocab_size): anything else is a UserError
+        (an out-of-range id would read outside the embedding table)."""
+        out = []
+        for t in ids:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise UserError(f"token id {t!r} is not an integer; token ids are integers in "
+                                f"[0, {self.vocab_size}) (the vocabulary size is {self.vocab_size})")
+            if not 0 <= int(t) < self.vocab_size:
+                raise UserError(f"token id {int(t)} is out of range: the vocabulary size is "
+                                f"{self.vocab_size}, so ids must be in [0, {self.vocab_size - 1}]")
+            out.append(int(t))
+        return out
+
+    def _checked(self, ids: np.ndarray) -> np.ndarray:
+        """The low-level calls' guard: ids outside the vocabulary never reach the kernels."""
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
+            self.check_token_ids([bad])
+        return ids
+
     def decode(self, ids: list) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -109,48 +168,56 @@ class Engine:
     def prefill(self, chunks: list) -> np.ndarray:
         """chunks: [(seq_id, token ids)] -> last-token logits per chunk, shape (len(chunks), vocab).
         The caller keeps the total under the prefill chunk size."""
+        with self._lock:
+            return self._prefill(chunks)
+
+    def _prefill(self, chunks: list) -> np.ndarray:
         seq_ids = [sid for sid, _ in chunks]
         lengths = [len(t) for _, t in chunks]
         starts = [self.cache.sequences[sid] for sid in seq_ids]
-        ids = np.concatenate([np.asarray(t, dtype="int64") for _, t in chunks])[None]
+        ids = self._checked(np.concatenate([np.asarray(t, dtype="int64") for _, t in chunks]))[None]
         pos = np.concatenate([np.arange(s, s + n, dtype="int64") for s, n in zip(starts, lengths)])[None]
         last = np.cumsum(lengths, dtype="int64") - 1
         return self.prefill_positions(seq_ids, lengths, ids, pos, last)[0]
 
     def prefill_positions(self, seq_ids, lengths, ids, pos, logit_positions) -> np.ndarray:
         """Low-level prefill: explicit positions and the token indices to return logits for."""
-        self.cache.begin(seq_ids, lengths)
-        try:
-            out = self.vm["prefill"](self._tensor(ids), self._tensor(pos),
-                                     self._tensor(np.asarray(logit_positions, dtype="int64")),
-                                     self.cache.handle, *self.weights)
-        finally:
-            self.cache.end()
-        return out.numpy().astype(np.float32, copy=False)
+        with self._lock:
+            self.cache.begin(seq_ids, lengths)
+            try:
+                out = self.vm["prefill"](self._tensor(ids), self._tensor(pos),
+                                         self._tensor(np.asarray(logit_positions, dtype="int64")),
+                                         self.cache.handle, *self.weights)
+            finally:
+                self.cache.end()
+            return out.numpy().astype(np.float32, copy=False)
 
     def decode_step(self, seq_ids: list, tokens: list) -> np.ndarray:
         """One token per sequence -> logits (len(seq_ids), vocab)."""
-        pos = np.array([[self.cache.sequences[s]] for s in seq_ids], dtype="int64")
-        self.cache.begin(seq_ids, [1] * len(seq_ids))
-        try:
-            out = self.vm["decode"](self._tensor(np.asarray(tokens, dtype="int64")[:, None]),
-                                    self._tensor(pos), self.cache.handle, *self.weights)
-        finally:
-            self.cache.end()
-        return out.numpy()[:, 0].astype(np.float32, copy=False)
+        with self._lock:
+            pos = np.array([[self.cache.sequences[s]] for s in seq_ids], dtype="int64")
+            self.cache.begin(seq_ids, [1] * len(seq_ids))
+            try:
+                out = self.vm["decode"](self._tensor(self._checked(np.asarray(tokens, dtype="int64"))[:, None]),
+                                        self._tensor(pos), self.cache.handle, *self.weights)
+            finally:
+                self.cache.end()
+            return out.numpy()[:, 0].astype(np.float32, copy=False)
 
     def hidden_states(self, token_ids) -> tuple:
+        with self._lock:
+            return self._hidden_states(token_ids)
+
+    def _hidden_states(self, token_ids) -> tuple:
         """One sequence through the compiled `hidden_states` function (prefill's kernels and
         weights, also returning what each layer produced): (logits (n, vocab), hidden states
         (k, n, hidden)) as float32 numpy, for every position of `token_ids`. The states are the
         embedding output, each decoder layer's output and the final norm's (tvm-llm verify).
         A prompt longer than the prefill chunk size runs in chunks over the KV cache."""
-        from ..errors import UserError
-
         if not self.vm.module.implements_function("hidden_states"):
             raise UserError(f"{self.out_dir}: the build has no hidden_states function (built by "
                             "an older tvm_llm); rebuild it to verify it")
-        ids = [int(t) for t in token_ids]
+        ids = self.check_token_ids(token_ids)
         if not ids:
             raise ValueError("hidden_states: no tokens")
         if len(ids) > self.context_window:
@@ -176,57 +243,134 @@ class Engine:
             self.cache.remove(sid)
         return np.concatenate(logits), np.concatenate(states, axis=1)
 
-    # -------------------------------------------------------------- generation
-    def _prefill_requests(self, reqs: list) -> dict:
-        """Prefill every request's prompt, packing several per call up to the chunk size;
-        returns {id(request): its last logits row}."""
-        limit = self.cache.prefill_chunk_size
-        # a preempted request is recomputed from its prompt and the tokens it already produced
-        pending = [(r, list(r.prompt_ids) + r.output_ids) for r in reqs]
-        rows = {}
-        while pending:
-            batch, room = [], limit
-            for r, toks in pending:
-                if room == 0:
-                    break
-                take = toks[:room]
-                batch.append((r, take))
-                room -= len(take)
-            logits = self.prefill([(r.seq_id, t) for r, t in batch])
-            taken = {id(r): len(t) for r, t in batch}
-            rest = []
-            for (r, toks) in pending:
-                left = toks[taken.get(id(r), 0):]
-                if left:
-                    rest.append((r, left))
-            for row, (r, t) in zip(logits, batch):
-                if not any(r is q for q, _ in rest):  # prompt finished: first token from here
-                    rows[id(r)] = row
-                    self._accept(r, sample(row, r.params, r.rng))
-            pending = rest
-        return rows
+    # -------------------------------------------------------------- step-level API
+    def add(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+            top_p: float = 1.0, seed: int | None = None, stop_token_ids=None,
+            ignore_eos: bool = False, n: int = 1, logprobs: int | None = None,
+            buffer: bool = True) -> list:
+        """Queue one prompt (a str or a list of token ids) for generation; returns the ids of its
+        n requests (samples). Nothing runs until `step`. Sample j draws from seed + j.
+        logprobs: also report each chosen token's log-probability and that many top alternatives.
+        buffer: keep each request's events for `events` (the thin loops); a caller that consumes
+        what `step` returns (the server's scheduler) passes False."""
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        params.validate()
+        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not isinstance(n, int) or not 1 <= n <= self.cache.max_batch_size:
+            raise ValueError(f"n must be an integer in [1, {self.cache.max_batch_size}] (the max "
+                             f"batch size), got {n!r}")
+        ids = self.encode(prompt) if isinstance(prompt, str) else self.check_token_ids(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.context_window:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context window is "
+                             f"{self.context_window}")
+        stop = set(stop_token_ids or []) | (set() if ignore_eos else self.eos_token_ids)
+        with self._lock:
+            group = []  # the n samples of one prompt: the first is prefilled, the rest fork from it
+            for j in range(n):
+                rng = np.random.default_rng(None if seed is None else seed + j)
+                self._next_rid += 1
+                r = _Request(self._next_rid, list(ids), int(max_new_tokens), params, rng, stop,
+                             logprobs, buffer)
+                self._requests[r.rid] = r
+                group.append(r)
+            self._waiting.append(group)
+            self._update_stats()
+        return [r.rid for r in group]
 
-    def _accept(self, r: _Request, token: int) -> None:
-        r.output_ids.append(token)
-        total = len(r.prompt_ids) + len(r.output_ids)
-        if (token in r.stop_ids or len(r.output_ids) >= r.max_new_tokens
-                or total >= self.context_window):
-            r.done = True
+    def abort(self, rid: int) -> None:
+        """Drop a request wherever it is (waiting, prefilling, running); its pages return now.
+        Unknown or finished ids are ignored."""
+        with self._lock:
+            r = self._requests.pop(rid, None)
+            if r is None or r.finish_reason is not None:
+                return
+            r.finish_reason = "abort"
+            for g in self._waiting:
+                if r in g:
+                    g.remove(r)
+            self._waiting = [g for g in self._waiting if g]
+            for g in self._prefilling:
+                if r in g and g[0] is not r:
+                    g.remove(r)
+            if r in self._running:
+                self._running.remove(r)
+                self._free(r)
+            # a prefilling leader stays until its prompt is in the cache if samples fork from it;
+            # a group with no live sample left is dropped with its pages
+            kept = []
+            for g in self._prefilling:
+                if _all_aborted(g):
+                    self._free(g[0])
+                else:
+                    kept.append(g)
+            self._prefilling = kept
+            self._update_stats()
 
-    def _text_delta(self, r: _Request) -> str:
-        text = self.decode(r.output_ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
-            return ""
-        delta, r.emitted_text = text[len(r.emitted_text):], text
-        return delta
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._prefilling or self._running)
 
+    def step(self) -> list:
+        """One scheduler iteration: admit waiting prompts while slots and pages allow, prefill at
+        most one chunk (prefill_chunk_size tokens, packed from the admitted prompts, so a long
+        prompt holds running sequences up by one chunk at most), then decode every running
+        sequence in one batched call. Finished sequences free their pages at once. Returns the
+        events of this step: one TokenEvent per produced token, and error events for requests
+        that can never fit the page pool (PagePoolFull; they are dropped)."""
+        with self._lock:
+            events: list = []
+            self._admit(events)
+            self._prefill_chunk(events)
+            self._retire()
+            if self._running:
+                self._make_room(events)
+            if self._running:
+                running = list(self._running)
+                logits = self.decode_step([r.seq_id for r in running],
+                                          [r.output_ids[-1] for r in running])
+                for row, r in zip(logits, running):
+                    events.append(self._accept(r, row))
+                self._retire()
+            for e in events:
+                r = self._requests.get(e.request_id)
+                if r is not None and r.buffer:
+                    r.events.append(e)
+                if e.finish_reason is not None and r is not None and not r.buffer:
+                    del self._requests[e.request_id]
+            self._update_stats()
+            return events
+
+    def events(self, rid: int) -> list:
+        """Take the buffered events of a request (stepping once if it has none yet and is not
+        finished); a finished request is forgotten once its last event is taken."""
+        with self._lock:
+            r = self._requests.get(rid)
+            if r is None:
+                return []
+            if not r.events and r.finish_reason is None:
+                self.step()
+            out, r.events = r.events, []
+            if r.finish_reason is not None and not r.events:
+                self._requests.pop(rid, None)
+            return out
+
+    # -------------------------------------------------------------- generation (loops over step)
     def stream(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop_token_ids=None,
                ignore_eos: bool = False, n: int = 1):
         """Yield (index, text piece) as tokens are produced, for all prompts at once; with n
         samples per prompt, sample j of prompt i has index i * n + j."""
-        for index, _token, piece in self._run(prompts, max_new_tokens, temperature, top_k, top_p,
-                                               seed, stop_token_ids, ignore_eos, n=n):
+        texts: dict = {}
+        for index, event in self._run(prompts, max_new_tokens, temperature, top_k, top_p, seed,
+                                      stop_token_ids, ignore_eos, n):
+            ids, emitted = texts.setdefault(index, ([], [""]))
+            ids.append(event.token)
+            text = self.decode(ids)
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
+                continue
+            piece, emitted[0] = text[len(emitted[0]):], text
             if piece:
                 yield index, piece
 
@@ -238,9 +382,9 @@ class Engine:
         is prefilled once and forked; sample j of prompt i draws from seed + i * n + j, so it
         equals an unforked run of that prompt with that seed."""
         out: dict = {}
-        for index, token, _ in self._run(prompts, max_new_tokens, temperature, top_k, top_p, seed,
-                                         stop_token_ids, ignore_eos, text=False, n=n):
-            out.setdefault(index, []).append(token)
+        for index, event in self._run(prompts, max_new_tokens, temperature, top_k, top_p, seed,
+                                      stop_token_ids, ignore_eos, n):
+            out.setdefault(index, []).append(event.token)
         count = len(prompts) if isinstance(prompts, list) and not _is_id_list(prompts) else 1
         if n == 1:
             return [out.get(i, []) for i in range(count)]
@@ -258,110 +402,195 @@ class Engine:
         return texts[0] if single else texts
 
     def _run(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
-             ignore_eos, text=True, n=1):
+             ignore_eos, n):
+        """Add every prompt, then step until all its requests finish: yields (index, TokenEvent).
+        Other threads' requests share the steps (and batches); each takes only its own events."""
         if isinstance(prompts, str) or _is_id_list(prompts):
             prompts = [prompts]
-        params = SamplingParams(temperature, top_k, top_p, seed)
-        params.validate()
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if not isinstance(n, int) or not 1 <= n <= self.cache.max_batch_size:
-            raise ValueError(f"n must be an integer in [1, {self.cache.max_batch_size}] (the max "
-                             f"batch size), got {n!r}")
-        stop = set(stop_token_ids or []) | (set() if ignore_eos else self.eos_token_ids)
-        reqs = []
+        # check every prompt before queueing any, so a bad one leaves nothing behind
+        checked = []
         for i, p in enumerate(prompts):
-            ids = self.encode(p) if isinstance(p, str) else [int(t) for t in p]
+            try:
+                ids = self.encode(p) if isinstance(p, str) else self.check_token_ids(p)
+            except UserError as e:
+                raise UserError(f"prompt {i}: {e}") from None
             if not ids:
                 raise ValueError(f"prompt {i} is empty")
             if len(ids) >= self.context_window:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens; the context window is "
                                  f"{self.context_window}")
-            group = []  # the n samples of one prompt: the first is prefilled, the rest fork from it
-            for j in range(n):
-                rng = np.random.default_rng(None if seed is None else seed + i * n + j)
-                group.append(_Request(i * n + j, ids, max_new_tokens, params, rng, stop))
-            reqs.append(group)
-        waiting = list(reqs)  # groups, in order; a preempted request comes back as a group of one
-        reqs = [r for g in reqs for r in g]
-        active: list = []
+            checked.append(ids)
+        index = {}
         try:
-            while waiting or active:
-                admitted = self._admit(waiting, active)
-                if admitted:
-                    rows = self._prefill_requests([g[0] for g in admitted])
-                    for g in admitted:
-                        for child in g[1:]:  # samples share the prompt's pages from here on
-                            child.seq_id = self.cache.fork(g[0].seq_id)
-                            self._accept(child, sample(rows[id(g[0])], child.params, child.rng))
-                        for r in g:
-                            yield r.index, r.output_ids[-1], self._text_delta(r) if text else ""
-                        active += g
-                for r in [r for r in active if r.done]:
-                    self.cache.remove(r.seq_id)
-                    r.seq_id = -1
-                    active.remove(r)
-                if not active:
-                    continue
-                self._make_room(active, waiting)
-                logits = self.decode_step([r.seq_id for r in active], [r.output_ids[-1] for r in active])
-                for row, r in zip(logits, active):
-                    self._accept(r, sample(row, r.params, r.rng))
-                    yield r.index, r.output_ids[-1], self._text_delta(r) if text else ""
+            for i, ids in enumerate(checked):
+                rids = self.add(ids, max_new_tokens, temperature, top_k, top_p,
+                                None if seed is None else seed + i * n, stop_token_ids, ignore_eos, n)
+                for j, rid in enumerate(rids):
+                    index[rid] = i * n + j
+            live = list(index)
+            while live:
+                for rid in list(live):
+                    evs = self.events(rid)
+                    if not evs and rid not in self._requests:  # aborted elsewhere
+                        live.remove(rid)
+                    for e in evs:
+                        if e.error is not None:
+                            raise e.error
+                        yield index[rid], e
+                        if e.finish_reason is not None:
+                            live.remove(rid)
         finally:
-            for r in reqs:
-                if r.seq_id in self.cache.sequences:
-                    self.cache.remove(r.seq_id)
+            for rid in index:
+                self.abort(rid)
 
-    def _admit(self, waiting: list, active: list) -> list:
+    # -------------------------------------------------------------- scheduling (under the lock)
+    def _admit(self, events: list) -> None:
         """Take waiting groups, in order, while batch slots and pages allow; add their sequences.
 
         A group needs pages for its prompt plus the first generated token, one page per extra
-        sample (a fork's own last page), and the running sequences must keep the pages their
-        next token needs."""
+        sample (a fork's own last page); running sequences keep the pages their next token needs
+        and prefilling ones the pages their prompt still needs. A group that cannot fit even in
+        an idle engine fails with PagePoolFull."""
         cache, ps = self.cache, self.cache.page_size
-        slots = cache.max_batch_size - len(active)
-        budget = cache.free_pages() - sum(1 for r in active if cache.sequences[r.seq_id] % ps == 0)
-        admitted = []
-        while waiting and len(waiting[0]) <= slots:
-            group = waiting[0]
+        slots = cache.max_batch_size - len(self._running) - sum(len(g) for g in self._prefilling)
+        budget = cache.free_pages() - self._reserved_pages()
+        while self._waiting and len(self._waiting[0]) <= slots:
+            group = self._waiting[0]
             length = len(group[0].prompt_ids) + len(group[0].output_ids)
             need = -(-(length + 1) // ps) + len(group) - 1
             if need > budget:
-                if not active and not admitted:
-                    raise PagePoolFull(
-                        f"a {length}-token prompt needs {need} KV pages but the pool has "
-                        f"{cache.free_pages()} of {cache.total_pages} (page size {ps}); shorten the "
-                        "prompt or build with a larger --max-memory (or --kv-cache-tokens)")
-                break
-            waiting.pop(0)
+                if self._running or self._prefilling:
+                    break
+                self._waiting.pop(0)
+                err = PagePoolFull(
+                    f"a {length}-token prompt needs {need} KV pages but the pool has "
+                    f"{cache.free_pages()} of {cache.total_pages} (page size {ps}); shorten the "
+                    "prompt or build with a larger --max-memory (or --kv-cache-tokens)")
+                for r in group:
+                    events.append(self._fail(r, err))
+                continue
+            self._waiting.pop(0)
             slots -= len(group)
             budget -= need
             for r in group:
                 self._admissions += 1
                 r.admitted = self._admissions
-            group[0].seq_id = cache.add()
-            admitted.append(group)
-        return admitted
+            lead = group[0]
+            lead.seq_id = cache.add()
+            lead.pending = list(lead.prompt_ids) + lead.output_ids
+            self._prefilling.append(group)
 
-    def _make_room(self, active: list, waiting: list) -> None:
-        """Before a decode step: while the pool lacks the pages it needs, preempt the youngest
-        running sequence (free its pages) and requeue it first, to be recomputed later."""
+    def _reserved_pages(self) -> int:
+        """Pages the running sequences' next token and the prefilling prompts still need."""
+        cache, ps = self.cache, self.cache.page_size
+        need = cache.pages_needed([r.seq_id for r in self._running], [1] * len(self._running))
+        for g in self._prefilling:
+            have = cache.sequences[g[0].seq_id]
+            need += -(-(have + len(g[0].pending) + 1) // ps) - -(-have // ps) + len(g) - 1
+        return need
+
+    def _prefill_chunk(self, events: list) -> None:
+        """Prefill up to one chunk of tokens (at most `decode_prefill_tokens` while sequences are
+        decoding, when set) from the prefilling groups, oldest first; a group
+        whose prompt is complete samples its first tokens (forking its other samples) and runs."""
+        room = self.cache.prefill_chunk_size
+        if self._running and self.decode_prefill_tokens:
+            room = min(room, self.decode_prefill_tokens)  # keep the running sequences' step short
+        batch = []
+        for g in self._prefilling:
+            if room == 0:
+                break
+            take = g[0].pending[:room]
+            batch.append((g, take))
+            room -= len(take)
+        if not batch:
+            return
+        logits = self.prefill([(g[0].seq_id, take) for g, take in batch])
+        for row, (g, take) in zip(logits, batch):
+            lead = g[0]
+            lead.pending = lead.pending[len(take):]
+            if lead.pending:
+                continue
+            self._prefilling.remove(g)
+            for child in g[1:]:  # samples share the prompt's pages from here on
+                child.seq_id = self.cache.fork(lead.seq_id)
+            for r in g:
+                if r.finish_reason == "abort":
+                    continue
+                events.append(self._accept(r, row))
+                self._running.append(r)
+            if lead.finish_reason == "abort":
+                self._free(lead)
+
+    def _accept(self, r: _Request, row: np.ndarray) -> "TokenEvent":
+        token = sample(row, r.params, r.rng)
+        r.output_ids.append(token)
+        logprob = top = None
+        if r.logprobs is not None:
+            z = row.astype(np.float64)
+            lse = z.max() + np.log(np.exp(z - z.max()).sum())
+            logprob = float(z[token] - lse)
+            if r.logprobs > 0:
+                best = np.argpartition(-z, r.logprobs)[: r.logprobs] if r.logprobs < z.size else np.arange(z.size)
+                best = best[np.argsort(-z[best], kind="stable")]
+                top = [(int(t), float(z[t] - lse)) for t in best]
+        total = len(r.prompt_ids) + len(r.output_ids)
+        if token in r.stop_ids:
+            r.finish_reason = "stop"
+        elif len(r.output_ids) >= r.max_new_tokens or total >= self.context_window:
+            r.finish_reason = "length"
+        return TokenEvent(r.rid, token, r.finish_reason, logprob, top)
+
+    def _fail(self, r: _Request, err: Exception) -> "TokenEvent":
+        r.finish_reason = "error"
+        return TokenEvent(r.rid, -1, "error", error=err)
+
+    def _free(self, r: _Request) -> None:
+        if r.seq_id in self.cache.sequences:
+            self.cache.remove(r.seq_id)
+        r.seq_id = -1
+
+    def _retire(self) -> None:
+        for r in [r for r in self._running if r.finish_reason is not None]:
+            self._free(r)
+            self._running.remove(r)
+
+    def _make_room(self, events: list) -> None:
+        """Before a decode step: while the pool lacks the pages the running sequences' next token
+        and the prefilling prompts need, preempt the youngest sequence (free its pages) and
+        requeue it first, to be recomputed later. A lone sequence that outgrows the pool fails."""
         cache = self.cache
-        while cache.pages_needed([r.seq_id for r in active], [1] * len(active)) > cache.free_pages():
-            if len(active) == 1:
-                r = active[0]
+        while self._running and self._reserved_pages() > cache.free_pages():
+            if len(self._running) == 1 and not self._prefilling:
+                r = self._running.pop()
                 length = cache.sequences[r.seq_id]
-                raise PagePoolFull(
-                    f"sequence {r.index} reached {length + 1} tokens, more than the KV pool's "
+                self._free(r)
+                events.append(self._fail(r, PagePoolFull(
+                    f"sequence {r.rid} reached {length + 1} tokens, more than the KV pool's "
                     f"{cache.total_pages} pages x {cache.page_size} tokens hold; build with a "
-                    "larger --max-memory (or --kv-cache-tokens) or a smaller --context-window")
-            victim = max(active, key=lambda q: q.admitted)
-            cache.remove(victim.seq_id)
-            victim.seq_id = -1
-            active.remove(victim)
-            waiting.insert(0, [victim])
+                    "larger --max-memory (or --kv-cache-tokens) or a smaller --context-window")))
+                return
+            young_run = max(self._running, key=lambda q: q.admitted, default=None)
+            young_pre = max(self._prefilling, key=lambda g: g[0].admitted, default=None)
+            if young_pre is not None and (young_run is None or young_pre[0].admitted > young_run.admitted):
+                self._prefilling.remove(young_pre)
+                self._free(young_pre[0])
+                group = [r for r in young_pre if r.finish_reason is None]
+            else:
+                self._running.remove(young_run)
+                self._free(young_run)
+                group = [young_run]
+            if group:
+                self._waiting.insert(0, group)
             self.preemptions += 1
+
+    def _update_stats(self) -> None:
+        self.stats = {"running": len(self._running),
+                      "prefilling": sum(len(g) for g in self._prefilling),
+                      "waiting": sum(len(g) for g in self._waiting),
+                      "kv_pages_free": self.cache.free_pages(),
+                      "kv_pages_total": self.cache.total_pages,
+                      "preemptions": self.preemptions}
 
 
 def _upload_weights(path: str, table: list, tvm, device) -> list:
@@ -384,3 +613,7 @@ def _upload_weights(path: str, table: list, tvm, device) -> list:
 
 def _is_id_list(p) -> bool:
     return isinstance(p, (list, tuple)) and len(p) > 0 and all(isinstance(t, (int, np.integer)) for t in p)
+
+
+def _all_aborted(group: list) -> bool:
+    return all(r.finish_reason == "abort" for r in group)

@@ -1,0 +1,130 @@
+"""The Engine's step-level API (add / step / abort), token-id checks and thread safety."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tvm_llm.errors import UserError
+
+PROMPTS = [[5, 9, 33, 41, 7], [100, 3, 250, 17, 18, 19, 60, 61], [11, 12]]
+
+
+@pytest.fixture(scope="module")
+def engine(built):
+    from tvm_llm import Engine
+
+    return Engine(built("llama"), num_threads=1)
+
+
+@pytest.mark.parametrize("bad", [100000000, -3, 2**63 - 1])
+def test_out_of_range_token_ids_are_user_errors(engine, bad):
+    v = engine.vocab_size
+    with pytest.raises(UserError, match=rf"token id {bad} is out of range.*vocabulary size is {v}"):
+        engine.generate([[5, bad]], max_new_tokens=2)
+    with pytest.raises(UserError, match="out of range"):
+        engine.add([5, bad])
+    with pytest.raises(UserError, match="out of range"):  # the low-level calls are guarded too
+        engine.hidden_states([5, bad])
+    with pytest.raises(UserError, match="not an integer"):
+        engine.add([5, 1.5])
+    assert not engine.has_work() and engine.cache.sequences == {}
+    # the last valid id is accepted and the engine keeps working
+    assert len(engine.generate_ids([[5, v - 1]], max_new_tokens=3, ignore_eos=True)[0]) == 3
+
+
+def test_step_api_matches_generate_and_abort_frees_pages(engine):
+    expected = engine.generate_ids(PROMPTS, max_new_tokens=8, ignore_eos=True)
+    rids = [engine.add(p, max_new_tokens=8, ignore_eos=True, buffer=False)[0] for p in PROMPTS]
+    extra = engine.add(PROMPTS[0] * 20, max_new_tokens=50, ignore_eos=True, buffer=False)[0]
+    got = {r: [] for r in rids}
+    steps = 0
+    while any(len(v) < 8 for v in got.values()):
+        for e in engine.step():
+            if e.request_id in got:
+                got[e.request_id].append(e.token)
+        steps += 1
+    assert [got[r] for r in rids] == expected
+    assert engine.cache.sequences  # the long request still runs
+    engine.abort(extra)
+    assert not engine.has_work()
+    assert engine.cache.free_pages() == engine.cache.total_pages and engine.cache.sequences == {}
+
+
+@pytest.mark.parametrize("budget", [None, 16])
+def test_long_prompt_prefill_does_not_stall_running_sequences(engine, budget):
+    """A prompt of several chunks is prefilled one chunk per step (or `decode_prefill_tokens`
+    while others decode) and running sequences keep decoding a token every step; the tokens
+    equal a run without interleaving."""
+    chunk = engine.cache.prefill_chunk_size
+    per_step = budget or chunk
+    long_prompt = [(7 * i) % 300 + 3 for i in range(3 * chunk + 5)]
+    expected = engine.generate_ids([long_prompt], max_new_tokens=2, ignore_eos=True)[0]
+    engine.decode_prefill_tokens = budget
+    try:
+        short = engine.add(PROMPTS[0], max_new_tokens=200, ignore_eos=True, buffer=False)[0]
+        engine.step()  # the short prompt is prefilled and decoding
+        long_rid = engine.add(long_prompt, max_new_tokens=2, ignore_eos=True, buffer=False)[0]
+        got, first_long = [], None
+        for step in range(1, 3 * chunk // per_step + 5):
+            events = engine.step()
+            assert any(e.request_id == short for e in events), f"step {step}: the short one stalled"
+            got += [e.token for e in events if e.request_id == long_rid]
+            if first_long is None and got:
+                first_long = step
+        assert first_long == -(-len(long_prompt) // per_step)
+        assert got == expected
+    finally:
+        engine.decode_prefill_tokens = None
+        engine.abort(short)
+        engine.abort(long_rid)
+    assert engine.cache.free_pages() == engine.cache.total_pages
+
+
+def test_threads_share_one_engine_and_match_the_serial_run(engine):
+    """4 threads x 20 generations on one Engine: each equals the serial run (greedy and seeded
+    sampling), and nothing is left in the cache."""
+    jobs = [(t, k) for t in range(4) for k in range(20)]
+
+    def job(t, k):
+        prompt = [3 + t, 40 + k, 77, 5 + (t * k) % 50]
+        kw = dict(max_new_tokens=4 + (k % 5), ignore_eos=True)
+        if k % 3 == 0:
+            kw.update(temperature=1.0, top_p=0.9, seed=t * 100 + k)
+        return prompt, kw
+
+    serial = {(t, k): engine.generate_ids([job(t, k)[0]], **job(t, k)[1])[0] for t, k in jobs}
+    results, errors = {}, []
+
+    def worker(t):
+        try:
+            for k in range(20):
+                prompt, kw = job(t, k)
+                results[(t, k)] = engine.generate_ids([prompt], **kw)[0]
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    assert results == serial
+    assert engine.cache.free_pages() == engine.cache.total_pages and engine.cache.sequences == {}
+
+
+def test_aborting_the_prefilling_leader_keeps_its_forked_sample(engine):
+    """n=2 on a prompt longer than a chunk: the first sample (whose sequence carries the
+    prompt) is aborted mid-prefill; the second still forks from it and equals a normal run."""
+    prompt = [(5 * i) % 200 + 3 for i in range(engine.cache.prefill_chunk_size + 9)]
+    kw = dict(max_new_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    expected = engine.generate_ids([prompt], n=2, **kw)[0][1]
+    first, second = engine.add(prompt, n=2, buffer=False, **kw)
+    engine.step()  # one chunk of the prompt is in the cache
+    engine.abort(first)
+    got = []
+    while engine.has_work():
+        got += [e.token for e in engine.step() if e.request_id == second]
+    assert got == expected
+    assert engine.cache.free_pages() == engine.cache.total_pages and engine.cache.sequences == {}

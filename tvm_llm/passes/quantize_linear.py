@@ -1,21 +1,21 @@
-"""QuantizeLinear: every linear layer's weight is stored quantized and dequantized inside
-its matmul (weight-only q8/q4), or the linear runs int8 x int8 (W8A8).
+"""QuantizeLinear: every linear layer's weight is stored in the weight format its QuantPlan
+gives it and multiplied by a quantized kernel.
 
 Rewrites `matmul(x, permute_dims(W))`, W a weight (a parameter or weight-only expression such
 as MergeParallelLinear's concatenation), into
 
-    weight-only:  Wq, s = quantize_weight(W);      y = dequantize_matmul(x, Wq, s)
-    W8A8:         Wq, s, r = quantize_weight(W);   xu, xs = quantize_activation(x)
-                  y = int8_matmul(xu, xs, Wq, s, r)
-    W4A8:         Wp, s = quantize_weight(W);      y = w4a8_matmul(x, Wp, s)  (CPU VNNI kernel,
-                  schedules/cpu/w4a8_matmul.py, which quantizes x itself)
+    stored = call_pure_packed("tvm_llm.quantize_weight", W, format, layout, names)
+    weight-only:      y = dequantize_matmul(x, *stored)     (dequantize inlined by schedules)
+    int8 activations: y = int8_act_matmul(x, *stored)       (schedules/cpu/int8_act_matmul.py,
+                                                             VNNI, per-32-block activation scales)
 
-`quantize_weight` reads only weights, so the folding phase lifts it into the build-time
-weight transform: the model ships Wq and s, never W. The dequantize is a producer block of the
-matmul PrimFunc, which the schedule rules inline, so a decode step reads the packed bytes only.
-Linears whose checkpoint names match `--keep-float` stay float (and keep FuseTransposeMatmul's
-plain NT matmul). Run after MergeParallelLinear (so Q/K/V are quantized as one matrix) and
-before FuseTransposeMatmul.
+The quantize call reads only weights, so the folding phase lifts it into the build-time weight
+transform: the numpy reference quantizer (quantization/formats.py, with the plan's importance
+for these weights) runs once at build time and the model ships the packed arrays, never W.
+The format of a merged linear (q|k|v, gate|up) is `plan.format_for(names)`; "float", a weight
+the format cannot store, or a name matching `--keep-float` stays float (and keeps
+FuseTransposeMatmul's plain NT matmul). Run after MergeParallelLinear and before
+FuseTransposeMatmul.
 """
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..quantization import kernels
-from ..quantization.scheme import QuantScheme
+from ..quantization.formats import get_format
+from ..quantization.plan import FLOAT
+from ..quantization.scheme import QuantScheme, vnni_applies
 from .common import is_op, linear_parts, weight_params
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
@@ -94,45 +96,50 @@ class _Quantizer(PyExprMutator):
         x, w, N, K = parts
         names = self._source_names(w)
         key = ",".join(names)
-        ok = self.scheme.applies_to(K, N) and (self.scheme.tag != "w4a8" or (
-            x.ty.ndim == 3 and str(x.ty.dtype) == "float32"))
-        if not ok or self.scheme.keeps_float(names):
+        fmt = FLOAT if self.scheme.keeps_float(names) else self.scheme.plan.format_for(names)
+        if fmt == FLOAT or not get_format(fmt).applies_to(N, K):
             self.report.setdefault("kept_float", {})[key] = [N, K]
             return super().visit_call_(call)
-        self.report.setdefault("quantized", {})[key] = [N, K]
+        int8 = (self.scheme.activations == "int8" and vnni_applies(N, K) and x.ty.ndim == 3
+                and str(x.ty.dtype) == "float32")
+        layout = "vnni" if int8 else "rows"
+        self.report.setdefault("quantized", {})[key] = {
+            "shape": [N, K], "format": fmt, "activations": "int8" if int8 else "float"}
+        kernels.set_importance(key, self.scheme.plan.importance_for(names))
         bb = self.builder_
         x_new, w_new = self.visit_expr(x), self.visit_expr(w)
         out_dtype = call.attrs.out_dtype
         out_dtype = str(out_dtype) if out_dtype is not None and str(out_dtype) not in ("", "void") \
             else str(x.ty.dtype)
-        scheme = self.scheme
-        stored = bb.emit(bb.call_te(lambda w: kernels.quantize_weight(w, scheme), w_new,
-                                    primfunc_name_hint=f"quantize_weight_{scheme.tag}"))
-        parts = [bb.emit(relax.TupleGetItem(stored, i)) for i in range(len(stored.ty.fields))]
-        return emit_quantized_matmul(bb, x_new, parts, scheme, K, N, out_dtype)
+        stored = emit_quantize_weight(bb, w_new, fmt, layout, key, N, K)
+        return emit_quantized_matmul(bb, x_new, stored, fmt, layout, K, N, out_dtype)
 
 
-def emit_quantized_matmul(bb, x, stored: list, scheme: QuantScheme, K: int, N: int,
+def emit_quantize_weight(bb, w, fmt: str, layout: str, key: str, N: int, K: int) -> list:
+    """The packed arrays of weight expression `w` (a build-time call of the numpy quantizer)."""
+    shapes = kernels.stored_shapes(N, K, fmt, layout)
+    ty = relax.TupleType([relax.TensorType(s, d) for s, d in shapes])
+    stored = bb.emit(relax.call_pure_packed(kernels.QUANTIZE_FUNC, w, relax.StringImm(fmt),
+                                            relax.StringImm(layout), relax.StringImm(key),
+                                            ty_args=ty))
+    return [bb.emit(relax.TupleGetItem(stored, i)) for i in range(len(shapes))]
+
+
+def emit_quantized_matmul(bb, x, stored: list, fmt: str, layout: str, K: int, N: int,
                           out_dtype: str):
-    """The expression y = x @ W^T for a weight W held as `stored` (the tensors
-    quantization.kernels.quantize_weight makes of it): what the pass emits, and what the
-    kernel benchmark and tests build around the same kernels."""
-    tag = scheme.tag
-    if tag == "w4a8":
-        from schedules.cpu.w4a8_matmul import w4a8_matmul_func
+    """The expression y = x @ W^T for a weight W held as `stored` (scheme.pack's arrays of
+    format `fmt` in `layout`): what the pass emits, and what the kernel benchmark and tests
+    build around the same kernels."""
+    f = get_format(fmt)
+    if layout == "vnni":
+        from schedules.cpu.int8_act_matmul import int8_act_matmul_func
 
-        gv = bb.add_func(w4a8_matmul_func(K, N, scheme.group_size, out_dtype), "w4a8_matmul")
+        gv = bb.add_func(int8_act_matmul_func(f, K, N, out_dtype), f"{fmt}_a8_matmul")
         shape = list(x.ty.shape)[:-1] + [N]
-        return relax.call_tir(gv, relax.Tuple([x, stored[0], stored[1]]),
+        return relax.call_tir(gv, relax.Tuple([x, *stored]),
                               out_ty=relax.TensorType(shape, out_dtype))
-    if scheme.activations == "int8":
-        act = bb.emit(bb.call_te(kernels.quantize_activation, x,
-                                 primfunc_name_hint="quantize_activation"))
-        xu, xs = bb.emit(relax.TupleGetItem(act, 0)), bb.emit(relax.TupleGetItem(act, 1))
-        return bb.call_te(lambda *a: kernels.int8_matmul(*a, out_dtype=out_dtype), xu, xs,
-                          *stored, primfunc_name_hint="int8_matmul")
-    return bb.call_te(lambda a, q, s: kernels.dequantize_matmul(a, q, s, scheme, out_dtype),
-                      x, stored[0], stored[1], primfunc_name_hint=f"{tag}_matmul")
+    return bb.call_te(lambda a, *st: kernels.dequantize_matmul(a, list(st), f, out_dtype),
+                      x, *stored, primfunc_name_hint=f"{fmt}_matmul")
 
 
 def quantize_module(mod: tvm.IRModule, scheme: QuantScheme, checkpoint_names: dict,
@@ -150,7 +157,7 @@ def quantize_module(mod: tvm.IRModule, scheme: QuantScheme, checkpoint_names: di
 def QuantizeLinear(scheme: QuantScheme, checkpoint_names: dict | None = None,
                    report: dict | None = None) -> tvm.transform.Pass:
     """The module pass. `checkpoint_names` maps Relax parameter names to checkpoint names (for
-    --keep-float and the report); `report` collects which weights were quantized or kept."""
+    the plan, --keep-float and the report); `report` collects which weights were quantized."""
 
     def transform(mod, _ctx):
         return quantize_module(mod, scheme, checkpoint_names or {}, report)

@@ -60,7 +60,7 @@ class LLVMTarget(TargetSpec):
         return "sse"
 
     def supports_int8_dot(self) -> bool:
-        """AVX-512 VNNI (vpdpbusd), which the W8A8 kernel (schedules/cpu/int8_matmul.py) uses."""
+        """AVX-512 VNNI (vpdpbusd), which the int8-activation kernels (schedules/cpu/int8_act_matmul.py) use."""
         import tvm
 
         t = self.tvm_target()

@@ -119,8 +119,8 @@ def emit_quantize_weight(bb, w, fmt: str, layout: str, key: str, N: int, K: int)
     """The packed arrays of weight expression `w` (a build-time call of the numpy quantizer)."""
     shapes = kernels.stored_shapes(N, K, fmt, layout)
     ty = relax.TupleType([relax.TensorType(s, d) for s, d in shapes])
-    stored = bb.emit(relax.call_pure_packed(kernels.QUANTIZE_FUNC, w, relax.StringImm(fmt),
-                                            relax.StringImm(layout), relax.StringImm(key),
+    stored = bb.emit(relax.call_pure_packed(kernels.QUANTIZE_FUNC, w, tvm.ir.StringImm(fmt),
+                                            tvm.ir.StringImm(layout), tvm.ir.StringImm(key),
                                             ty_args=ty))
     return [bb.emit(relax.TupleGetItem(stored, i)) for i in range(len(shapes))]
 

@@ -42,17 +42,32 @@ class _Quantizer(PyExprMutator):
         self.weights: set = set()
         self.bindings: dict = {}
         self.embedding_tables: set = set()
+        self.linear_weights: set = set()
+        self.stored: dict = {}
 
     def start(self, func: relax.Function):
         self.weights = set(weight_params(func))
         self.bindings = {}
         self.embedding_tables = set()
+        self.linear_weights = set()
+        self.stored = {}  # (weight var, format, layout) -> emitted packed arrays (tied tables)
+        bindings = {}
 
         def visit(e):
             if is_op(e, "relax.take"):
                 self.embedding_tables.add(e.args[0])
 
+        def collect(b):
+            bindings[b.var] = b.value
+
         relax.analysis.post_order_visit(func, visit)
+        for block in func.body.blocks:
+            for b in block.bindings:
+                collect(b)
+        for value in bindings.values():
+            parts = linear_parts(value, self.weights, bindings, through_astype=True)
+            if parts is not None:
+                self.linear_weights.add(parts[1])
 
     def visit_var_binding_(self, binding):
         self.bindings[binding.var] = binding.value
@@ -73,7 +88,7 @@ class _Quantizer(PyExprMutator):
                 todo.extend(relax.analysis.free_vars(self.bindings[v]))
                 continue
             names.append(self.checkpoint_names.get(v.name, v.name))
-            if v in self.embedding_tables:
+            if v in self.embedding_tables and v in self.linear_weights:  # tied: also the LM head
                 names.append("lm_head.weight")
         return sorted(set(names))
 
@@ -89,29 +104,74 @@ class _Quantizer(PyExprMutator):
             return None
         return x, w, int(shape[0]), int(shape[1])
 
+    def _embedding(self, call):
+        """The quantized lookup of a take from a weight table, or None (left as it is)."""
+        table = call.args[0]
+        if table not in self.weights or table not in self.embedding_tables:
+            return None
+        shape = list(table.ty.shape) if table.ty.shape is not None else []
+        if len(shape) != 2 or not all(isinstance(d, tvm.tirx.IntImm) for d in shape) \
+                or str(table.ty.dtype) not in FLOAT_DTYPES:
+            return None
+        if call.attrs.axis is not None and int(call.attrs.axis) != 0:
+            return None
+        N, K = int(shape[0]), int(shape[1])
+        names = self._source_names(table)
+        key = ",".join(names)
+        # (a table the LM head multiplies too is a separate parameter in our import: it has
+        # its own format, and the lookups read rows of this one)
+        fmt = FLOAT if self.scheme.keeps_float(names) else self.scheme.plan.embedding_format(names)
+        layout = "rows"
+        if fmt == FLOAT or not get_format(fmt).applies_to(N, K):
+            self.report.setdefault("kept_float", {})[key] = [N, K]
+            return None
+        self.report.setdefault("quantized", {})[key] = {"shape": [N, K], "format": fmt,
+                                                        "activations": "lookup"}
+        stored = self._stored(table, self.visit_expr(table), fmt, layout, key, N, K)
+        ids = self.visit_expr(call.args[1])
+        f = get_format(fmt)
+        return self.builder_.call_te(
+            lambda i, *st: kernels.dequantize_take(list(st), f, i, K, str(table.ty.dtype)),
+            ids, *stored, primfunc_name_hint=f"take_{fmt}")
+
+    def _choice(self, names, N, K, int8_ok: bool):
+        """(format, layout) of a linear's weight."""
+        fmt = FLOAT if self.scheme.keeps_float(names) else self.scheme.plan.format_for(names)
+        if fmt == FLOAT or not get_format(fmt).applies_to(N, K):
+            return FLOAT, None
+        int8 = self.scheme.activations == "int8" and vnni_applies(N, K) and int8_ok
+        return fmt, ("vnni" if int8 else "rows")
+
+    def _stored(self, w, w_new, fmt, layout, key, N, K) -> list:
+        cache = (w, fmt, layout)
+        if cache not in self.stored:
+            names = key.split(",")
+            kernels.set_importance(key, self.scheme.plan.importance_for(names))
+            self.stored[cache] = emit_quantize_weight(self.builder_, w_new, fmt, layout, key, N, K)
+        return self.stored[cache]
+
     def visit_call_(self, call):
+        if is_op(call, "relax.take"):
+            out = self._embedding(call)
+            return out if out is not None else super().visit_call_(call)
         parts = self._linear(call)
         if parts is None:
             return super().visit_call_(call)
         x, w, N, K = parts
         names = self._source_names(w)
         key = ",".join(names)
-        fmt = FLOAT if self.scheme.keeps_float(names) else self.scheme.plan.format_for(names)
-        if fmt == FLOAT or not get_format(fmt).applies_to(N, K):
+        fmt, layout = self._choice(names, N, K, x.ty.ndim == 3 and str(x.ty.dtype) == "float32")
+        if fmt == FLOAT:
             self.report.setdefault("kept_float", {})[key] = [N, K]
             return super().visit_call_(call)
-        int8 = (self.scheme.activations == "int8" and vnni_applies(N, K) and x.ty.ndim == 3
-                and str(x.ty.dtype) == "float32")
-        layout = "vnni" if int8 else "rows"
         self.report.setdefault("quantized", {})[key] = {
-            "shape": [N, K], "format": fmt, "activations": "int8" if int8 else "float"}
-        kernels.set_importance(key, self.scheme.plan.importance_for(names))
+            "shape": [N, K], "format": fmt, "activations": "int8" if layout == "vnni" else "float"}
         bb = self.builder_
         x_new, w_new = self.visit_expr(x), self.visit_expr(w)
         out_dtype = call.attrs.out_dtype
         out_dtype = str(out_dtype) if out_dtype is not None and str(out_dtype) not in ("", "void") \
             else str(x.ty.dtype)
-        stored = emit_quantize_weight(bb, w_new, fmt, layout, key, N, K)
+        stored = self._stored(w, w_new, fmt, layout, key, N, K)
         return emit_quantized_matmul(bb, x_new, stored, fmt, layout, K, N, out_dtype)
 
 

@@ -52,8 +52,13 @@ def stored_shapes(N: int, K: int, fmt: str, layout: str) -> list:
 
 def dequantize(stored: list, fmt: WeightFormat, K: int, dtype: str):
     """The (N, K) float weight of a "rows" layout as a producer stage (inlined by schedules)."""
+    N = int(stored[0].shape[0])
+    return te.compute((N, K), _rows_value(stored, fmt, dtype), name="dequantize")
+
+
+def _rows_value(stored: list, fmt: WeightFormat, dtype: str):
+    """value(n, k): element (n, k) of a "rows" layout weight, as `dtype`."""
     wq, scale = stored[0], stored[1]
-    N = int(wq.shape[0])
     if fmt.bits == 8:
         def value(n, k):
             return wq[n, k].astype(dtype) * scale[n, k // GROUP].astype(dtype)
@@ -74,7 +79,19 @@ def dequantize(stored: list, fmt: WeightFormat, K: int, dtype: str):
             nib = (byte >> down) & tirx.const(15, "int32")
             return nib.astype(dtype) * scale[n, k // GROUP].astype(dtype) \
                 + offset[n, k // GROUP].astype(dtype)
-    return te.compute((N, K), value, name="dequantize")
+    return value
+
+
+def dequantize_take(stored: list, fmt: WeightFormat, ids: te.Tensor, K: int, dtype: str):
+    """out[..., k] = W[ids[...], k] of a "rows" layout table: an embedding lookup that
+    dequantizes only the rows it reads."""
+    value = _rows_value(stored, fmt, dtype)
+    lead = [int(d) if isinstance(d, tirx.IntImm) else d for d in ids.shape]
+
+    def body(*i):
+        return value(ids[tuple(i[:-1])].astype("int64"), i[-1])
+
+    return te.compute(lead + [K], body, name="take_dequantize")
 
 
 def dequantize_matmul(x: te.Tensor, stored: list, fmt: WeightFormat, out_dtype: str | None = None):

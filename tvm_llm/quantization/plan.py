@@ -16,6 +16,7 @@ import numpy as np
 from .formats import FORMATS, get_format
 
 FLOAT = "float"
+EMBEDDING_FORMAT = "q8_0"  # an untied embedding table not listed in the plan
 ACTIVATIONS = ("float", "int8")
 FLOAT_BITS = 32
 
@@ -47,6 +48,12 @@ class QuantPlan:
         one matrix): the one with the most bits among theirs."""
         fmts = [self.format_of(n) for n in names] or [self.default_format]
         return max(fmts, key=lambda f: (format_bits(f), f))
+
+    def embedding_format(self, names: list) -> str:
+        """Format of an (untied) embedding table: listed in `formats`, else 8-bit (its rows are
+        only looked up; 8 bits keep them near exact at a quarter of float32)."""
+        listed = [self.formats[n] for n in names if n in self.formats]
+        return max(listed, key=lambda f: (format_bits(f), f)) if listed else EMBEDDING_FORMAT
 
     def importance_for(self, names: list, sizes: list | None = None):
         """(K,) importance of a linear made of `names`, or None. The merged weights of q|k|v and

@@ -28,7 +28,7 @@ def _has_vnni():
     return bool(tvm.target.codegen.llvm_cpu_has_features("avx512vnni", t))
 
 
-def _scheduled_matmul(K, N, fmt, layout, x_shape):
+def _scheduled_matmul(K, N, fmt, layout, x_shape, target=None):
     """The pass's matmul kernel (x of x_shape, may be symbolic) scheduled by our CPU rules."""
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType(list(x_shape), "float32"))
@@ -40,7 +40,7 @@ def _scheduled_matmul(K, N, fmt, layout, x_shape):
             y = bb.emit(relax.op.nn.silu(y))  # an epilogue FuseOps fuses into the matmul
             out = bb.emit_output(y)
         bb.emit_func_output(out)
-    target = workloads.host_target(2)
+    target = target or workloads.host_target(2)
     with target, tvm.transform.PassContext(opt_level=3):
         mod = workloads.lower_to_tir(bb.get())
         scheduled = cpu_schedule_pass()(mod)
@@ -77,6 +77,25 @@ def test_scheduled_quantized_matmul_matches_reference(fmt, layout):
         y = xr.astype(np.float64) @ wd.T.astype(np.float64)
         ref = y / (1 + np.exp(-y))
         assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), (mode, rows)
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q8_0"])
+def test_weight_only_kernels_on_an_avx2_target(fmt):
+    """CPUs without AVX-512/VNNI run the weight-only kernels (x86-64-v3 code runs here too)."""
+    from tvm_llm.targets import get_target
+
+    spec = get_target("llvm", arch="x86-64-v3")
+    assert spec.vector_isa() == "avx2" and not spec.supports_int8_dot()
+    K, N = 256, 32
+    w = _weights(N, K)
+    vm = _scheduled_matmul(K, N, fmt, "rows", (tvm.tirx.Var("n", "int64"), 1, K), spec.tvm_target())
+    x = np.random.default_rng(3).standard_normal((2, 1, K)).astype("float32")
+    dev = tvm.cpu()
+    got = vm["main"](tvm.runtime.tensor(x, dev),
+                     *[tvm.runtime.tensor(a, dev) for a in stored_np(w, fmt, "rows")]).numpy()
+    y = x.astype(np.float64) @ FORMATS[fmt].dequantize(FORMATS[fmt].quantize(w)).T
+    ref = y / (1 + np.exp(-y))
+    assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
 
 
 def test_vnni_layout_holds_unsigned_values_in_tiles():

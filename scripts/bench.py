@@ -59,7 +59,12 @@ def build_model(ckpt: str, shape: str, rebuild: bool, **build_kwargs) -> str:
 
     tag = build_kwargs.pop("tag", "default")
     out = os.path.join(CACHE, f"{shape}-{tag}-out")
-    if rebuild or not os.path.isfile(os.path.join(out, "manifest.json")):
+    manifest = os.path.join(out, "manifest.json")
+    stale = False
+    if os.path.isfile(manifest) and build_kwargs.get("quantization"):
+        with open(manifest) as f:  # a build from before the weight formats: rebuild it
+            stale = "format_counts" not in (json.load(f).get("quantization") or {})
+    if rebuild or stale or not os.path.isfile(manifest):
         t0 = time.perf_counter()
         tvm_llm.build(ckpt, out, force=True, log=lambda *a: None, **build_kwargs)
         print(f"# built {shape} [{tag}] in {time.perf_counter() - t0:.1f}s -> {out}", flush=True)
@@ -150,10 +155,33 @@ def machine_limits(threads: int) -> dict:
     return {"read_GB_s": bw, "sgemm_GFLOP_s": flops}
 
 
-# Bytes per matmul weight as stored (scales included): ours, and llama.cpp's block formats.
-BYTES_PER_WEIGHT = {"fp32": 4.0, "q8": 1 + 4 / 32, "q4": 0.5 + 4 / 32, "w8a8": 1.0,
-                    "w4a8": 0.5 + 4 / 32,
-                    "F32": 4.0, "F16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32}
+# Bytes per matmul weight as stored (scales included) of llama.cpp's formats; Q4_K_M is its
+# mix (Q4_K at 144 bytes / 256, Q6_K for the LM head and half of attn_v / ffn_down): ~4.85 bits.
+BYTES_PER_WEIGHT = {"fp32": 4.0, "F32": 4.0, "F16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32,
+                    "Q4_K_M": 4.85 / 8}
+
+
+def tvm_build_options(q: str) -> dict:
+    """build() options of a --quantization entry: q8 / q4 (our defaults for this CPU), a format
+    name (q8_0, q4_0, q4_1, q4_k: float activations) or a format with `_a8` (int8 activations)."""
+    if q.endswith("_a8"):
+        return dict(quantization=q[:-3], activations="int8")
+    return dict(quantization=q)
+
+
+def tvm_bytes_per_weight(q: str, arch: str | None = None) -> float:
+    """Bytes per matmul weight our kernels read for a --quantization entry (K = 768)."""
+    if q == "fp32":
+        return 4.0
+    from tvm_llm.quantization import parse_scheme
+    from tvm_llm.quantization.scheme import quantized_bytes
+    from tvm_llm.targets import get_target
+
+    opts = tvm_build_options(q)
+    scheme = parse_scheme(opts["quantization"], activations=opts.get("activations"),
+                          int8_dot=get_target("llvm", arch=arch).supports_int8_dot())
+    layout = "vnni" if scheme.activations == "int8" else "rows"
+    return quantized_bytes(64, 768, scheme.format, layout) / (64 * 768)
 
 
 def model_costs(shape: str, context: int, bytes_per_weight: float = 4.0) -> dict:
@@ -205,10 +233,15 @@ def main(argv=None):
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--quantization", default="fp32",
-                   help="comma list of builds to measure: fp32, q8, q4, w8a8, w4a8 (default fp32)")
+                   help="comma list of builds to measure: fp32, q8, q4 (our defaults), a format "
+                        "(q8_0, q4_0, q4_1, q4_k; float activations) or a format with _a8 (int8 "
+                        "activations), e.g. fp32,q8,q4,q4_k,q4_0_a8 (default fp32)")
     p.add_argument("--llamacpp", default="",
                    help="comma list of llama.cpp formats measured in the same run (F32, Q8_0, "
-                        "Q4_0); needs llama-cpp-python, see scripts/llamacpp_ref.py")
+                        "Q4_0, Q4_K_M); needs llama-cpp-python, see scripts/llamacpp_ref.py")
+    p.add_argument("--arch", default=None,
+                   help="llvm --arch for our builds, e.g. x86-64-v3 (AVX2, no VNNI: q8/q4 then "
+                        "run weight-only kernels); default: the host CPU")
     p.add_argument("--ablation", action="store_true",
                    help="also build with each optional pass phase switched off and compare")
     args = p.parse_args(argv)
@@ -222,11 +255,13 @@ def main(argv=None):
         if q == "fp32":
             out, name = build_model(ckpt, args.shape, args.rebuild), "tvm_llm"
         else:
-            kw = {"w8a8": dict(quantization="q8", activations="int8"),
-                  "w4a8": dict(quantization="q4", activations="int8")}.get(q, dict(quantization=q))
-            out, name = build_model(ckpt, args.shape, args.rebuild, tag=q, **kw), f"tvm_llm {q}"
+            kw = tvm_build_options(q)
+            tag = q + (f"-{args.arch}" if args.arch else "")
+            if args.arch:
+                kw["arch"] = args.arch
+            out, name = build_model(ckpt, args.shape, args.rebuild, tag=tag, **kw), f"tvm_llm {tag}"
         runners.append(TvmRunner(out, args.threads, name=name))
-        per_system[name] = model_costs(args.shape, context, BYTES_PER_WEIGHT[q])
+        per_system[name] = model_costs(args.shape, context, tvm_bytes_per_weight(q, args.arch))
     if args.llamacpp:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import llamacpp_ref

@@ -1,13 +1,16 @@
 #!/usr/bin/env python
-"""Decode GEMV (b = 1) over fp32, q8, q4 and W8A8 weights: the kernels a quantized build runs.
+"""Quantized matmul kernels, one per weight format and activation kind: what a build runs.
 
-For each Llama linear shape it builds the exact TE kernels the QuantizeLinear pass emits
-(tvm_llm/quantization/kernels.py), schedules them with our CPU rules, and times one token
-(x: 1 x 1 x K), cycling over enough weight copies to defeat the last-level cache. Prints ms,
-bytes read per call (weights + scales), GB/s, and the fraction of the machine's read bandwidth
-measured in the same run (torch sum over a 512 MB tensor). torch's fp32 linear is the reference.
+For each Llama linear shape it builds the exact kernels the QuantizeLinear pass emits
+(weight-only: the dequantize TE of tvm_llm/quantization/kernels.py scheduled by our CPU rules;
+`_a8`: the int8-activation VNNI kernel, schedules/cpu/int8_act_matmul.py) and times decode
+(x: 1 x 1 x K, `--rows 1`) or prefill (x: 1 x n x K, `--rows n`), cycling over enough weight
+copies to defeat the last-level cache. Prints ms, bytes of packed weights read per call, GB/s,
+the fraction of the machine's read bandwidth measured in the same run (torch sum over a 512 MB
+tensor), GFLOP/s, and the error against the numpy reference. torch's fp32 linear is the reference.
 
-    python scripts/bench_quant_kernels.py --threads 2 [--models 1b] [--only qkv,down]
+    python scripts/bench_quant_kernels.py --threads 2 [--models 110m,1b] [--only qkv,down]
+        [--schemes fp32,q8_0,q4_0,q4_1,q4_k,q8_0_a8,q4_0_a8,q4_1_a8,q4_k_a8] [--rows 1|128]
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ def _parse():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--models", default="1b")
-    p.add_argument("--schemes", default="fp32,q8,q4,w8a8,w4a8")
+    p.add_argument("--schemes", default="fp32,q8_0,q4_0,q4_1,q4_k,q8_0_a8,q4_0_a8,q4_1_a8,q4_k_a8")
+    p.add_argument("--rows", type=int, default=1, help="rows of x: 1 = decode, n = prefill")
     p.add_argument("--only", default="")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--rotate-mb", type=int, default=256)
@@ -42,30 +46,39 @@ from tvm import relax  # noqa: E402
 from schedules.cpu import cpu_schedule_pass, workloads  # noqa: E402
 from tvm_llm.passes.quantize_linear import emit_quantized_matmul  # noqa: E402
 from tvm_llm.quantization import kernels  # noqa: E402
-from tvm_llm.quantization.scheme import QuantScheme, quantize_np, stored_np  # noqa: E402
+from tvm_llm.quantization.formats import FORMATS, fake_quantize_activation  # noqa: E402
+from tvm_llm.quantization.scheme import stored_np  # noqa: E402
 
 SHAPES = {  # name: (K, N)
     "110m": {"qkv": (768, 2304), "o": (768, 768), "gate_up": (768, 4096), "down": (2048, 768)},
     "1b": {"qkv": (2048, 2560), "o": (2048, 2048), "gate_up": (2048, 11264), "down": (5632, 2048),
            "lm_head": (2048, 32000)},
 }
-SCHEMES = {"fp32": None, "q8": QuantScheme("q8"), "q4": QuantScheme("q4"),
-           "w8a8": QuantScheme("q8", activations="int8"), "w4a8": QuantScheme("q4", activations="int8")}
+
+
+def _scheme(name):
+    """None (fp32) or (format, layout): `q4_k` weight-only, `q4_k_a8` int8 activations."""
+    if name == "fp32":
+        return None
+    fmt = name[:-3] if name.endswith("_a8") else name
+    if fmt not in FORMATS:
+        raise SystemExit(f"unknown scheme {name!r}: fp32 or a format of {', '.join(FORMATS)}, _a8 for int8 activations")
+    return fmt, ("vnni" if name.endswith("_a8") else "rows")
 
 
 def kernel_module(K: int, N: int, scheme):
-    """IRModule with `main(x (b, 1, K), *weights) -> y` built as the pass builds it."""
+    """IRModule with `main(x (b, 1, K) or (1, n, K), *weights) -> y` built as the pass builds it."""
     bb = relax.BlockBuilder()
     b = tvm.tirx.Var("b", "int64")
-    x = relax.Var("x", relax.TensorType([b, 1, K], "float32"))
-    shapes = [([N, K], "float32")] if scheme is None else kernels.stored_shapes(N, K, scheme)
+    x = relax.Var("x", relax.TensorType([b, 1, K] if ARGS.rows == 1 else [1, b, K], "float32"))
+    shapes = [([N, K], "float32")] if scheme is None else kernels.stored_shapes(N, K, *scheme)
     ws = [relax.Var(f"w{i}", relax.TensorType(shape, dtype)) for i, (shape, dtype) in enumerate(shapes)]
     with bb.function("main", [x] + ws):
         with bb.dataflow():
             if scheme is None:
                 y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(ws[0])))
             else:
-                y = bb.emit(emit_quantized_matmul(bb, x, ws, scheme, K, N, "float32"))
+                y = bb.emit(emit_quantized_matmul(bb, x, ws, scheme[0], scheme[1], K, N, "float32"))
             out = bb.emit_output(y)
         bb.emit_func_output(out)
     mod = bb.get()
@@ -79,19 +92,18 @@ def kernel_module(K: int, N: int, scheme):
 
 
 def stored_weights(w: np.ndarray, scheme):
-    return [w] if scheme is None else stored_np(w, scheme)
+    return [w] if scheme is None else stored_np(w, *scheme)
 
 
 def _reference(x, w, scheme):
-    """What the kernel must compute: x times the dequantized weight (W8A8: times the int8
-    round trip of x as well)."""
-    from tvm_llm.quantization.scheme import dequantize_np
+    """What the kernel must compute: x times the dequantized weight (int8 activations: times
+    the per-block int8 round trip of x as well)."""
+    from tvm_llm.quantization.formats import fake_quantize
 
-    wd = dequantize_np(*quantize_np(w, scheme), scheme)
-    if scheme.activations == "int8":
-        s = np.abs(x[0]).max(axis=-1, keepdims=True) / 127.0
-        x = (np.clip(np.round(x[0] / s), -127, 127) * s)[None]
-    return x[0] @ wd.T
+    wd = fake_quantize(w, scheme[0])
+    if scheme[1] == "vnni":
+        x = fake_quantize_activation(x)
+    return x.reshape(-1, x.shape[-1]) @ wd.T
 
 
 def read_bandwidth() -> float:
@@ -109,7 +121,9 @@ def main():
     dev = tvm.cpu()
     bw = read_bandwidth()
     print(f"read bandwidth (torch sum, {ARGS.threads} threads): {bw:.1f} GB/s")
-    print(f"{'shape':>14} {'scheme':>6} {'ms':>8} {'MB':>7} {'GB/s':>6} {'of bw':>6} {'vs torch':>8} {'max rel err':>11}")
+    print(f"x rows: {ARGS.rows} ({'decode' if ARGS.rows == 1 else 'prefill'})")
+    print(f"{'shape':>14} {'scheme':>8} {'ms':>8} {'MB':>7} {'GB/s':>6} {'of bw':>6} {'GFLOP/s':>8} "
+          f"{'vs torch':>8} {'max rel err':>11}")
     rng = np.random.default_rng(0)
     only = set(filter(None, ARGS.only.split(",")))
     for model in ARGS.models.split(","):
@@ -117,15 +131,15 @@ def main():
             if only and name not in only:
                 continue
             w = (rng.standard_normal((N, K)) * 0.02).astype("float32")
-            x = rng.standard_normal((1, 1, K)).astype("float32")
-            ref_f = x[0] @ w.T
+            x = rng.standard_normal((1, 1, K) if ARGS.rows == 1 else (1, ARGS.rows, K)).astype("float32")
+            ref_f = x.reshape(-1, K) @ w.T
             tw = torch.from_numpy(w)
             copies_t = max(1, int(ARGS.rotate_mb * 2**20 // w.nbytes) + 1)
             tws = [tw.clone() for _ in range(copies_t)]
             tx = torch.from_numpy(x)
             t_torch = _time(lambda i: torch.nn.functional.linear(tx, tws[i % copies_t]), copies_t)
             for sname in ARGS.schemes.split(","):
-                scheme = SCHEMES[sname]
+                scheme = _scheme(sname)
                 vm = kernel_module(K, N, scheme)
                 arrays = stored_weights(w, scheme)
                 ref = ref_f if scheme is None else _reference(x, w, scheme)
@@ -134,11 +148,12 @@ def main():
                 sets = [[tvm.runtime.tensor(a.copy(), dev) for a in arrays] for _ in range(copies)]
                 xt = tvm.runtime.tensor(x, dev)
                 f = vm["main"]
-                out = f(xt, *sets[0]).numpy()[0]
+                out = f(xt, *sets[0]).numpy().reshape(-1, N)
                 err = float(np.abs(out - ref).max() / np.abs(ref).max())
                 t = _time(lambda i: f(xt, *sets[i % copies]), copies)
-                print(f"{model + ' ' + name:>14} {sname:>6} {t * 1e3:8.3f} {nbytes / 1e6:7.2f} "
-                      f"{nbytes / t / 1e9:6.1f} {nbytes / t / 1e9 / bw:6.2f} {t_torch / t:7.2f}x "
+                flops = 2 * N * K * ARGS.rows / t / 1e9
+                print(f"{model + ' ' + name:>14} {sname:>8} {t * 1e3:8.3f} {nbytes / 1e6:7.2f} "
+                      f"{nbytes / t / 1e9:6.1f} {nbytes / t / 1e9 / bw:6.2f} {flops:8.1f} {t_torch / t:7.2f}x "
                       f"{err:11.2e}", flush=True)
 
 

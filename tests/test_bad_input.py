@@ -99,8 +99,9 @@ def test_invalid_target(tmp_path, checkpoint):
 @pytest.mark.parametrize("extra,expect", [
     (("--quantization", "q3"), "unknown --quantization 'q3'"),
     (("--quantization", "q4", "--activations", "int4"), "unknown --activations 'int4'"),
-    (("--quantization", "q4", "--group-size", "24"), "--group-size must be a power of two"),
-    (("--quantization", "q4", "--activations", "int8", "--group-size", "4"), "multiple of 8"),
+    (("--quantization", "q4", "--group-size", "24"), "--group-size must be 32"),
+    (("--quantization", "q4", "--activations", "int8", "--arch", "x86-64-v3"),
+     "needs int8 dot-product instructions"),
     (("--keep-float", "0",), "need --quantization"),
 ])
 def test_bad_quantization_options(tmp_path, checkpoint, extra, expect):

@@ -104,12 +104,14 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
           prefill_chunk_size: int = 512, page_size: int = 16, kv_cache_tokens: int | None = None,
           max_memory=None, dump_ir: str | None = None, disabled_phases=(), log=print,
           tuning_log: str | None = None, quantization: str | None = None, group_size: int = 32,
-          activations: str | None = None, keep_float=None) -> dict:
+          activations: str | None = None, keep_float=None, quant_plan=None) -> dict:
     """Compile the Hugging Face checkpoint in `model_dir` into `output_dir`; return the manifest.
     `tuning_log`: a MetaSchedule log directory (tvm-llm tune) whose kernels replace our
     default schedules; bad or foreign records are warned about and skipped.
-    `quantization` "q8" | "q4" (group-wise symmetric weights, `group_size` per scale),
-    `activations` "int8" for W8A8, `keep_float`: layer indices / weight-name globs left float
+    `quantization` a weight format name (q8_0, q4_0, q4_1, q4_k) or q8 / q4 (our best),
+    `activations` "int8" / "float" (unset: int8 for q8 / q4 where the target has int8 dot
+    products), `keep_float`: layer indices / weight-name globs left float, `quant_plan`: a
+    quantization.plan.QuantPlan (per-weight formats, importance) replacing the plain one
     (see tvm_llm/quantization/scheme.py)."""
     from .quantization import parse_scheme
     from .frontend import import_model, load_model, nonfinite_weights, read_config, tokenizer_files
@@ -131,7 +133,8 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
                                   or not 1 <= value < 2**31):
             raise UserError(f"{name} must be a positive integer below 2^31, got {value!r}")
     spec.check_page_size(page_size)
-    scheme = parse_scheme(quantization, group_size, activations, keep_float)
+    scheme = parse_scheme(quantization, group_size, activations, keep_float,
+                          int8_dot=spec.supports_int8_dot(), plan=quant_plan)
     if scheme is not None and scheme.activations == "int8" and not spec.supports_int8_dot():
         raise UserError(f"--activations int8 needs int8 dot-product instructions; target "
                         f"{spec.describe()} has none (use weight-only --quantization)")
@@ -186,10 +189,14 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
     tuning = next((ph.pop("tuning") for ph in report if "tuning" in ph), None)
     quant_report = next((ph.pop("quantization") for ph in report if "quantization" in ph), None)
     if scheme is not None:
+        from .quantization.report import summarize
+
         quant_report = {**scheme.describe(), **(quant_report or {})}
-        log(f"[tvm-llm] quantized {len(quant_report.get('quantized', {}))} linear weights to "
-            f"{scheme.tag}"
-            + f", kept {len(quant_report.get('kept_float', {}))} float")
+        quant_report.update(summarize(quant_report))
+        log(f"[tvm-llm] quantized {len(quant_report.get('quantized', {}))} weights "
+            f"({', '.join(f'{k}: {v}' for k, v in quant_report['format_counts'].items())}), "
+            f"{quant_report['bits_per_weight']:.3f} bits per weight, activations "
+            f"{scheme.activations}; kept {len(quant_report.get('kept_float', {}))} float")
     if tuning is not None:
         from .report import format_tuning
 

@@ -119,7 +119,7 @@ def _sensitivity(args) -> None:
     from .quantization import parse_scheme
     from .quantization.sensitivity import sensitivity
 
-    scheme = parse_scheme(args.quantization, args.group_size, args.activations)
+    scheme = parse_scheme(args.quantization, args.group_size, args.activations or "float")
     report = sensitivity(args.model_dir, scheme, read_text(args.text), window=args.window,
                          max_windows=args.max_windows,
                          log=lambda *a: print(*a, file=sys.stderr, flush=True))
@@ -205,14 +205,16 @@ _MAX_MEMORY_HELP = ("memory budget for the running model: a size (4GB = 4e9 byte
 
 
 def _add_quantization_args(p, default=None) -> None:
-    p.add_argument("--quantization", default=default, metavar="q8|q4",
-                   help="store linear weights as int8 (q8) or 4-bit (q4), symmetric, one scale "
-                        "per group; dequantized inside the matmul kernels")
+    p.add_argument("--quantization", default=default, metavar="q8|q4|q8_0|q4_0|q4_1|q4_k",
+                   help="weight format of the linear layers (and 8-bit embedding table): q8 / q4 "
+                        "our best 8 / 4-bit (q8_0 / q4_k, int8 activations where the CPU has "
+                        "VNNI), or exactly one format: q8_0, q4_0, q4_1, q4_k (README)")
     p.add_argument("--group-size", type=_positive_int, default=32,
-                   help="weights per scale along the input dimension (default 32)")
+                   help="weights per scale along the input dimension (32; every format uses 32)")
     p.add_argument("--activations", default=None, metavar="float|int8",
-                   help="int8: also quantize each linear's input per token and multiply "
-                        "int8 x int8 (W8A8, needs q8 and AVX-512 VNNI)")
+                   help="int8: quantize each linear's input per token, one scale per 32 inputs, "
+                        "and multiply with integer dot products (AVX-512 VNNI); float: weight-only. "
+                        "Default: int8 for q8/q4 on CPUs with VNNI, else float")
 
 
 def _add_text_args(p) -> None:

@@ -2,13 +2,14 @@
 
 Rules, tried in order (the first that claims a PrimFunc schedules it):
 
-* :class:`.int8_matmul.Int8Matmul`: W8A8 matmuls (VNNI tiles), only where the target has VNNI;
 * :class:`.gemm.GEMM`: weight matmuls over a packed weight panel (prefill GEMM and decode GEMV)
   when the build lets the weight change layout (``layout_free_buffers``), and NN matmuls;
 * :class:`.gemv.GEMV`: NT weight matmuls over the row-major (N, K) weight;
 * :class:`.reduction.RowReduction`: RMSNorm / LayerNorm / softmax (row reductions + elementwise);
 * :class:`.elementwise.Elementwise`: injective kernels (RoPE, adds, casts, transposes, take);
 * then dlight's CPU ``GEMV`` and ``Reduction`` as fallbacks.
+
+Int8-activation matmuls are hand-written kernels (:mod:`.int8_act_matmul`), marked scheduled.
 """
 
 
@@ -18,10 +19,9 @@ def cpu_rules(prepack="auto"):
     from .elementwise import Elementwise
     from .gemm import GEMM
     from .gemv import GEMV
-    from .int8_matmul import Int8Matmul
     from .reduction import RowReduction
 
-    return [Int8Matmul(), GEMM(prepack=prepack), GEMV(), RowReduction(), Elementwise(),
+    return [GEMM(prepack=prepack), GEMV(), RowReduction(), Elementwise(),
             dl.cpu.GEMV(), dl.cpu.Reduction()]
 
 

@@ -355,7 +355,8 @@ def plan_checkpoint(model_dir: str, target: str = "llvm", arch: str | None = Non
     from .kv_budget import device_memory_bytes, parse_budget
 
     spec = get_target(target, arch=arch)
-    scheme = parse_scheme(quantization, group_size, activations, keep_float)
+    scheme = parse_scheme(quantization, group_size, activations, keep_float,
+                          int8_dot=spec.supports_int8_dot())
     dtype = dtype or spec.default_dtype
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")

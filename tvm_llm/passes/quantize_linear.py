@@ -1,21 +1,21 @@
-"""QuantizeLinear: every linear layer's weight is stored quantized and dequantized inside
-its matmul (weight-only q8/q4), or the linear runs int8 x int8 (W8A8).
+"""QuantizeLinear: every linear layer's weight is stored in the weight format its QuantPlan
+gives it and multiplied by a quantized kernel.
 
 Rewrites `matmul(x, permute_dims(W))`, W a weight (a parameter or weight-only expression such
 as MergeParallelLinear's concatenation), into
 
-    weight-only:  Wq, s = quantize_weight(W);      y = dequantize_matmul(x, Wq, s)
-    W8A8:         Wq, s, r = quantize_weight(W);   xu, xs = quantize_activation(x)
-                  y = int8_matmul(xu, xs, Wq, s, r)
-    W4A8:         Wp, s = quantize_weight(W);      y = w4a8_matmul(x, Wp, s)  (CPU VNNI kernel,
-                  schedules/cpu/w4a8_matmul.py, which quantizes x itself)
+    stored = call_pure_packed("tvm_llm.quantize_weight", W, format, layout, names)
+    weight-only:      y = dequantize_matmul(x, *stored)     (dequantize inlined by schedules)
+    int8 activations: y = int8_act_matmul(x, *stored)       (schedules/cpu/int8_act_matmul.py,
+                                                             VNNI, per-32-block activation scales)
 
-`quantize_weight` reads only weights, so the folding phase lifts it into the build-time
-weight transform: the model ships Wq and s, never W. The dequantize is a producer block of the
-matmul PrimFunc, which the schedule rules inline, so a decode step reads the packed bytes only.
-Linears whose checkpoint names match `--keep-float` stay float (and keep FuseTransposeMatmul's
-plain NT matmul). Run after MergeParallelLinear (so Q/K/V are quantized as one matrix) and
-before FuseTransposeMatmul.
+The quantize call reads only weights, so the folding phase lifts it into the build-time weight
+transform: the numpy reference quantizer (quantization/formats.py, with the plan's importance
+for these weights) runs once at build time and the model ships the packed arrays, never W.
+The format of a merged linear (q|k|v, gate|up) is `plan.format_for(names)`; "float", a weight
+the format cannot store, or a name matching `--keep-float` stays float (and keeps
+FuseTransposeMatmul's plain NT matmul). Run after MergeParallelLinear and before
+FuseTransposeMatmul.
 """
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..quantization import kernels
-from ..quantization.scheme import QuantScheme
+from ..quantization.formats import get_format
+from ..quantization.plan import FLOAT
+from ..quantization.scheme import QuantScheme, vnni_applies
 from .common import is_op, linear_parts, weight_params
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
@@ -40,17 +42,32 @@ class _Quantizer(PyExprMutator):
         self.weights: set = set()
         self.bindings: dict = {}
         self.embedding_tables: set = set()
+        self.linear_weights: set = set()
+        self.stored: dict = {}
 
     def start(self, func: relax.Function):
         self.weights = set(weight_params(func))
         self.bindings = {}
         self.embedding_tables = set()
+        self.linear_weights = set()
+        self.stored = {}  # (weight var, format, layout) -> emitted packed arrays (tied tables)
+        bindings = {}
 
         def visit(e):
             if is_op(e, "relax.take"):
                 self.embedding_tables.add(e.args[0])
 
+        def collect(b):
+            bindings[b.var] = b.value
+
         relax.analysis.post_order_visit(func, visit)
+        for block in func.body.blocks:
+            for b in block.bindings:
+                collect(b)
+        for value in bindings.values():
+            parts = linear_parts(value, self.weights, bindings, through_astype=True)
+            if parts is not None:
+                self.linear_weights.add(parts[1])
 
     def visit_var_binding_(self, binding):
         self.bindings[binding.var] = binding.value
@@ -71,7 +88,7 @@ class _Quantizer(PyExprMutator):
                 todo.extend(relax.analysis.free_vars(self.bindings[v]))
                 continue
             names.append(self.checkpoint_names.get(v.name, v.name))
-            if v in self.embedding_tables:
+            if v in self.embedding_tables and v in self.linear_weights:  # tied: also the LM head
                 names.append("lm_head.weight")
         return sorted(set(names))
 
@@ -87,52 +104,102 @@ class _Quantizer(PyExprMutator):
             return None
         return x, w, int(shape[0]), int(shape[1])
 
+    def _embedding(self, call):
+        """The quantized lookup of a take from a weight table, or None (left as it is)."""
+        table = call.args[0]
+        if table not in self.weights or table not in self.embedding_tables:
+            return None
+        shape = list(table.ty.shape) if table.ty.shape is not None else []
+        if len(shape) != 2 or not all(isinstance(d, tvm.tirx.IntImm) for d in shape) \
+                or str(table.ty.dtype) not in FLOAT_DTYPES:
+            return None
+        if call.attrs.axis is not None and int(call.attrs.axis) != 0:
+            return None
+        N, K = int(shape[0]), int(shape[1])
+        names = self._source_names(table)
+        key = ",".join(names)
+        # (a table the LM head multiplies too is a separate parameter in our import: it has
+        # its own format, and the lookups read rows of this one)
+        fmt = FLOAT if self.scheme.keeps_float(names) else self.scheme.plan.embedding_format(names)
+        layout = "rows"
+        if fmt == FLOAT or not get_format(fmt).applies_to(N, K):
+            self.report.setdefault("kept_float", {})[key] = [N, K]
+            return None
+        self.report.setdefault("quantized", {})[key] = {"shape": [N, K], "format": fmt,
+                                                        "activations": "lookup"}
+        stored = self._stored(table, self.visit_expr(table), fmt, layout, key, N, K)
+        ids = self.visit_expr(call.args[1])
+        f = get_format(fmt)
+        return self.builder_.call_te(
+            lambda i, *st: kernels.dequantize_take(list(st), f, i, K, str(table.ty.dtype)),
+            ids, *stored, primfunc_name_hint=f"take_{fmt}")
+
+    def _choice(self, names, N, K, int8_ok: bool):
+        """(format, layout) of a linear's weight."""
+        fmt = FLOAT if self.scheme.keeps_float(names) else self.scheme.plan.format_for(names)
+        if fmt == FLOAT or not get_format(fmt).applies_to(N, K):
+            return FLOAT, None
+        int8 = self.scheme.activations == "int8" and vnni_applies(N, K) and int8_ok
+        return fmt, ("vnni" if int8 else "rows")
+
+    def _stored(self, w, w_new, fmt, layout, key, N, K) -> list:
+        cache = (w, fmt, layout)
+        if cache not in self.stored:
+            names = key.split(",")
+            kernels.set_importance(key, self.scheme.plan.importance_for(names))
+            self.stored[cache] = emit_quantize_weight(self.builder_, w_new, fmt, layout, key, N, K)
+        return self.stored[cache]
+
     def visit_call_(self, call):
+        if is_op(call, "relax.take"):
+            out = self._embedding(call)
+            return out if out is not None else super().visit_call_(call)
         parts = self._linear(call)
         if parts is None:
             return super().visit_call_(call)
         x, w, N, K = parts
         names = self._source_names(w)
         key = ",".join(names)
-        ok = self.scheme.applies_to(K, N) and (self.scheme.tag != "w4a8" or (
-            x.ty.ndim == 3 and str(x.ty.dtype) == "float32"))
-        if not ok or self.scheme.keeps_float(names):
+        fmt, layout = self._choice(names, N, K, x.ty.ndim == 3 and str(x.ty.dtype) == "float32")
+        if fmt == FLOAT:
             self.report.setdefault("kept_float", {})[key] = [N, K]
             return super().visit_call_(call)
-        self.report.setdefault("quantized", {})[key] = [N, K]
+        self.report.setdefault("quantized", {})[key] = {
+            "shape": [N, K], "format": fmt, "activations": "int8" if layout == "vnni" else "float"}
         bb = self.builder_
         x_new, w_new = self.visit_expr(x), self.visit_expr(w)
         out_dtype = call.attrs.out_dtype
         out_dtype = str(out_dtype) if out_dtype is not None and str(out_dtype) not in ("", "void") \
             else str(x.ty.dtype)
-        scheme = self.scheme
-        stored = bb.emit(bb.call_te(lambda w: kernels.quantize_weight(w, scheme), w_new,
-                                    primfunc_name_hint=f"quantize_weight_{scheme.tag}"))
-        parts = [bb.emit(relax.TupleGetItem(stored, i)) for i in range(len(stored.ty.fields))]
-        return emit_quantized_matmul(bb, x_new, parts, scheme, K, N, out_dtype)
+        stored = self._stored(w, w_new, fmt, layout, key, N, K)
+        return emit_quantized_matmul(bb, x_new, stored, fmt, layout, K, N, out_dtype)
 
 
-def emit_quantized_matmul(bb, x, stored: list, scheme: QuantScheme, K: int, N: int,
+def emit_quantize_weight(bb, w, fmt: str, layout: str, key: str, N: int, K: int) -> list:
+    """The packed arrays of weight expression `w` (a build-time call of the numpy quantizer)."""
+    shapes = kernels.stored_shapes(N, K, fmt, layout)
+    ty = relax.TupleType([relax.TensorType(s, d) for s, d in shapes])
+    stored = bb.emit(relax.call_pure_packed(kernels.QUANTIZE_FUNC, w, tvm.ir.StringImm(fmt),
+                                            tvm.ir.StringImm(layout), tvm.ir.StringImm(key),
+                                            ty_args=ty))
+    return [bb.emit(relax.TupleGetItem(stored, i)) for i in range(len(shapes))]
+
+
+def emit_quantized_matmul(bb, x, stored: list, fmt: str, layout: str, K: int, N: int,
                           out_dtype: str):
-    """The expression y = x @ W^T for a weight W held as `stored` (the tensors
-    quantization.kernels.quantize_weight makes of it): what the pass emits, and what the
-    kernel benchmark and tests build around the same kernels."""
-    tag = scheme.tag
-    if tag == "w4a8":
-        from schedules.cpu.w4a8_matmul import w4a8_matmul_func
+    """The expression y = x @ W^T for a weight W held as `stored` (scheme.pack's arrays of
+    format `fmt` in `layout`): what the pass emits, and what the kernel benchmark and tests
+    build around the same kernels."""
+    f = get_format(fmt)
+    if layout == "vnni":
+        from schedules.cpu.int8_act_matmul import int8_act_matmul_func
 
-        gv = bb.add_func(w4a8_matmul_func(K, N, scheme.group_size, out_dtype), "w4a8_matmul")
+        gv = bb.add_func(int8_act_matmul_func(f, K, N, out_dtype), f"{fmt}_a8_matmul")
         shape = list(x.ty.shape)[:-1] + [N]
-        return relax.call_tir(gv, relax.Tuple([x, stored[0], stored[1]]),
+        return relax.call_tir(gv, relax.Tuple([x, *stored]),
                               out_ty=relax.TensorType(shape, out_dtype))
-    if scheme.activations == "int8":
-        act = bb.emit(bb.call_te(kernels.quantize_activation, x,
-                                 primfunc_name_hint="quantize_activation"))
-        xu, xs = bb.emit(relax.TupleGetItem(act, 0)), bb.emit(relax.TupleGetItem(act, 1))
-        return bb.call_te(lambda *a: kernels.int8_matmul(*a, out_dtype=out_dtype), xu, xs,
-                          *stored, primfunc_name_hint="int8_matmul")
-    return bb.call_te(lambda a, q, s: kernels.dequantize_matmul(a, q, s, scheme, out_dtype),
-                      x, stored[0], stored[1], primfunc_name_hint=f"{tag}_matmul")
+    return bb.call_te(lambda a, *st: kernels.dequantize_matmul(a, list(st), f, out_dtype),
+                      x, *stored, primfunc_name_hint=f"{fmt}_matmul")
 
 
 def quantize_module(mod: tvm.IRModule, scheme: QuantScheme, checkpoint_names: dict,
@@ -150,7 +217,7 @@ def quantize_module(mod: tvm.IRModule, scheme: QuantScheme, checkpoint_names: di
 def QuantizeLinear(scheme: QuantScheme, checkpoint_names: dict | None = None,
                    report: dict | None = None) -> tvm.transform.Pass:
     """The module pass. `checkpoint_names` maps Relax parameter names to checkpoint names (for
-    --keep-float and the report); `report` collects which weights were quantized or kept."""
+    the plan, --keep-float and the report); `report` collects which weights were quantized."""
 
     def transform(mod, _ctx):
         return quantize_module(mod, scheme, checkpoint_names or {}, report)

@@ -8,6 +8,9 @@ from .base import TargetSpec
 from ..errors import UserError
 
 CROSS_TRIPLES = {"aarch64": "aarch64-linux-gnu", "x86_64": "x86_64-linux-gnu"}
+# x86 CPU levels a build can target instead of the host's own CPU (code that runs on this
+# host too): x86-64-v3 = AVX2 + FMA without AVX-512 or VNNI, x86-64-v4 = AVX-512 without VNNI
+X86_LEVELS = ("x86-64-v3", "x86-64-v4", "haswell", "skylake-avx512")
 
 
 def host_cpu_name() -> str:
@@ -34,9 +37,9 @@ class LLVMTarget(TargetSpec):
 
     def __init__(self, arch: str | None = None, **options):
         super().__init__(arch=arch, **options)
-        if arch not in (None, "native", "host") and arch not in CROSS_TRIPLES:
+        if arch not in (None, "native", "host") and arch not in CROSS_TRIPLES and arch not in X86_LEVELS:
             raise UserError(f"unknown --arch {arch!r} for llvm: use host (default) or one of "
-                            f"{', '.join(CROSS_TRIPLES)}")
+                            f"{', '.join(CROSS_TRIPLES)}, {', '.join(X86_LEVELS)}")
         self.cross = arch in CROSS_TRIPLES and not arch.startswith(os.uname().machine)
 
     def tvm_target(self):
@@ -45,8 +48,9 @@ class LLVMTarget(TargetSpec):
         if self.cross and self.arch == "aarch64":
             return tvm.target.Target({"kind": "llvm", "mtriple": CROSS_TRIPLES["aarch64"],
                                       "mattr": ["+neon"], "num-cores": default_num_threads()})
+        cpu = self.arch if self.arch in X86_LEVELS else host_cpu_name()
         return tvm.target.Target({"kind": "llvm", "mtriple": f"{os.uname().machine}-linux-gnu",
-                                  "mcpu": host_cpu_name(), "num-cores": default_num_threads()})
+                                  "mcpu": cpu, "num-cores": default_num_threads()})
 
     def vector_isa(self) -> str:
         """The widest SIMD the target has: avx512, avx2, neon or sse."""
@@ -61,7 +65,7 @@ class LLVMTarget(TargetSpec):
         return "sse"
 
     def supports_int8_dot(self) -> bool:
-        """AVX-512 VNNI (vpdpbusd), which the W8A8 kernel (schedules/cpu/int8_matmul.py) uses."""
+        """AVX-512 VNNI (vpdpbusd), which the int8-activation kernels (schedules/cpu/int8_act_matmul.py) use."""
         import tvm
 
         t = self.tvm_target()

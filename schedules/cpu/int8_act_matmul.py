@@ -1,0 +1,192 @@
+"""Int8-activation matmul for AVX-512 VNNI, every weight format (q8_0, q4_0, q4_1, q4_k).
+
+A hand-scheduled kernel (not a rule): its loop nest is the schedule. The QuantizeLinear pass
+emits it for `--activations int8` on CPUs with VNNI; TVM's rules skip it (marked scheduled).
+
+Activations: each row of x is quantized at run time with one scale per 32 consecutive input
+features (quantization/formats.py quantize_activation: s = max|x| / 127, q = round(x * 127 /
+max|x|)); per block the sum of its int8 values is kept for the weights' offset / minimum term.
+
+Weight layout (packed at build time by quantization/scheme.pack_vnni from the numpy
+reference's stored arrays), per 16 output rows (a tile) and group g of 32 inputs:
+    4-bit  wp[N/16, K/32, 4, 64] uint8: chunk c holds two VNNI tiles, low nibbles = tile 2c,
+           high nibbles = tile 2c+1; tile t byte i*4+k = row i, input 32g + 4t + k, unsigned
+           (q4_0 stores q + 8, q4_1 / q4_k their q in [0, 15])
+    8-bit  wp[N/16, K/32, 8, 64] uint8: tile t byte i*4+k, q + 128 (q8_0)
+    q8_0, q4_0: d[N/16, K/32, 16] float16; q4_1: d, m[N/16, K/32, 16] float16;
+    q4_k: sc, mn[N/16, K/32, 16] uint8 (6-bit codes in bytes), d, dmin[N/16, K/S/32, 16] float16
+
+Per tile and group, 8 vpdpbusd (16 rows x 4 inputs each, unsigned weight x signed activation)
+give the int32 dot products of the 16 rows, and the group adds, in float,
+    xs[r, g] * (a * acc + b * xsum[r, g])
+with a, b per row: sym a = d, b = -offset * d; q4_1 a = d, b = m; q4_k a = d * sc,
+b = -dmin * mn (computed once per tile and group, reused for every row of x). Several rows of
+x (prefill, batched decode) reuse each unpacked weight tile from registers.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm.script import tirx as T
+
+TILE_N = 16
+GROUP = 32
+
+
+def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm.tirx.PrimFunc:
+    """The kernel for x: (A, B, K) float32 -> (A, B, N) and weights of format `fmt` (a
+    quantization.formats.WeightFormat) in the layout above."""
+    if N % TILE_N or K % GROUP:
+        raise ValueError(f"int8-activation matmul needs N % 16 == 0 and K % 32 == 0 (N={N}, K={K})")
+    from tvm_llm.quantization.formats import super_groups
+
+    NT, NG = N // TILE_N, K // GROUP
+    four = fmt.bits == 4
+    C = 4 if four else 8  # 64-byte chunks per group and tile
+    kind = fmt.kind
+    S = super_groups(K) if kind == "kquant" else 1
+    NS = NG // S
+    off = 8.0 if (kind == "sym" and four) else (128.0 if kind == "sym" else 0.0)
+    f16 = "float16"
+
+    @T.macro
+    def unpack(tiles, wp, nt, g):
+        """The group's 8 VNNI tiles of 16 rows (unsigned bytes)."""
+        if four:
+            for c in T.unroll(C):
+                packed = wp[nt, g, c, T.Ramp(0, 1, 64)]
+                tiles[2 * c] = T.bitwise_and(packed, T.Broadcast(T.uint8(15), 64))
+                tiles[2 * c + 1] = T.shift_right(packed, T.Broadcast(T.uint8(4), 64))
+        else:
+            for c in T.unroll(C):
+                tiles[c] = wp[nt, g, c, T.Ramp(0, 1, 64)]
+
+    @T.macro
+    def group_dot(acc, tiles, xq, r, g):
+        """acc[0]: the group's int32 dot products of row r with the 16 rows (two chains)."""
+        acc[0] = T.Broadcast(T.int32(0), TILE_N)
+        acc[1] = T.Broadcast(T.int32(0), TILE_N)
+        for t in T.unroll(8):
+            a4 = T.reinterpret("int32", xq[r, T.Ramp(g * GROUP + t * 4, 1, 4)])
+            acc[t % 2] = T.call_llvm_pure_intrin(
+                "int32x16", "llvm.x86.avx512.vpdpbusd.512", acc[t % 2], tiles[t],
+                T.reinterpret("int8x64", T.Broadcast(a4, TILE_N)))
+        acc[0] = acc[0] + acc[1]
+
+    @T.macro
+    def coefficients(ab, p0, p1, p2, p3, nt, g):
+        """ab[0] = a, ab[1] = b of the tile's 16 rows for group g (see the module docstring)."""
+        if kind == "sym":
+            ab[0] = T.Cast("float32x16", p0[nt, g, T.Ramp(0, 1, TILE_N)])
+            ab[1] = ab[0] * T.Broadcast(T.float32(-off), TILE_N)
+        elif kind == "asym":
+            ab[0] = T.Cast("float32x16", p0[nt, g, T.Ramp(0, 1, TILE_N)])
+            ab[1] = T.Cast("float32x16", p1[nt, g, T.Ramp(0, 1, TILE_N)])
+        else:
+            ab[0] = T.Cast("float32x16", p2[nt, g // S, T.Ramp(0, 1, TILE_N)]) \
+                * T.Cast("float32x16", p0[nt, g, T.Ramp(0, 1, TILE_N)])
+            ab[1] = T.Cast("float32x16", p3[nt, g // S, T.Ramp(0, 1, TILE_N)]) \
+                * T.Cast("float32x16", p1[nt, g, T.Ramp(0, 1, TILE_N)]) * T.Broadcast(T.float32(-1), TILE_N)
+
+    @T.macro
+    def kernel(x, y, wp, p0, p1, p2, p3, A, B):
+        xq = T.alloc_buffer((A * B, K), "int8")
+        xs = T.alloc_buffer((A * B, NG), "float32")
+        xsum = T.alloc_buffer((A * B, NG), "float32")
+        # 1. int8 activations, one scale per block of 32 (16 lanes at a time)
+        for r, g in T.grid(A * B, NG):
+            lanes = T.alloc_buffer((16,), "float32", scope="local")
+            for l in T.vectorized(16):
+                lanes[l] = T.max(T.abs(x[r // B, r % B, g * GROUP + l]),
+                                 T.abs(x[r // B, r % B, g * GROUP + 16 + l]))
+            amax = T.alloc_buffer((1,), "float32", scope="local")
+            amax[0] = T.float32(0)
+            for l in range(16):
+                amax[0] = T.max(amax[0], lanes[l])
+            xs[r, g] = amax[0] / T.float32(127)
+            inv = T.alloc_buffer((1,), "float32", scope="local")
+            inv[0] = T.Select(amax[0] > T.float32(0), T.float32(127) / amax[0], T.float32(0))
+            part = T.alloc_buffer((16,), "int32", scope="local")
+            for l in T.vectorized(16):
+                part[l] = 0
+            for j0 in range(2):
+                for l in T.vectorized(16):
+                    xq[r, g * GROUP + j0 * 16 + l] = T.Cast("int8", T.Cast("int32", T.max(T.min(
+                        T.nearbyint(x[r // B, r % B, g * GROUP + j0 * 16 + l] * inv[0]),
+                        T.float32(127)), T.float32(-127))))
+                    part[l] = part[l] + T.Cast("int32", xq[r, g * GROUP + j0 * 16 + l])
+            total = T.alloc_buffer((1,), "int32", scope="local")
+            total[0] = 0
+            for l in range(16):
+                total[0] = total[0] + part[l]
+            xsum[r, g] = T.Cast("float32", total[0])
+        # 2. tiles of 16 rows in parallel
+        if A * B == 1:
+            for nt in T.parallel(NT):
+                fsum = T.alloc_buffer((1,), "float32x16", scope="local")
+                fsum[0] = T.Broadcast(T.float32(0), TILE_N)
+                for g in range(NG):
+                    tiles = T.alloc_buffer((8,), "uint8x64", scope="local")
+                    acc = T.alloc_buffer((2,), "int32x16", scope="local")
+                    ab = T.alloc_buffer((2,), "float32x16", scope="local")
+                    unpack(tiles, wp, nt, g)
+                    coefficients(ab, p0, p1, p2, p3, nt, g)
+                    group_dot(acc, tiles, xq, 0, g)
+                    fsum[0] = fsum[0] + (ab[0] * T.Cast("float32x16", acc[0])
+                                         + ab[1] * T.Broadcast(xsum[0, g], TILE_N)) \
+                        * T.Broadcast(xs[0, g], TILE_N)
+                y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = T.Cast(out_dtype + "x16", fsum[0])
+        else:
+            for nt in T.parallel(NT):
+                facc = T.alloc_buffer((A * B, TILE_N), "float32")
+                for r in range(A * B):
+                    facc[r, T.Ramp(0, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
+                for g in range(NG):
+                    tiles = T.alloc_buffer((8,), "uint8x64", scope="local")
+                    ab = T.alloc_buffer((2,), "float32x16", scope="local")
+                    unpack(tiles, wp, nt, g)
+                    coefficients(ab, p0, p1, p2, p3, nt, g)
+                    for r in range(A * B):
+                        acc = T.alloc_buffer((2,), "int32x16", scope="local")
+                        group_dot(acc, tiles, xq, r, g)
+                        facc[r, T.Ramp(0, 1, TILE_N)] = facc[r, T.Ramp(0, 1, TILE_N)] \
+                            + (ab[0] * T.Cast("float32x16", acc[0])
+                               + ab[1] * T.Broadcast(xsum[r, g], TILE_N)) \
+                            * T.Broadcast(xs[r, g], TILE_N)
+                for r in range(A * B):
+                    for i in T.vectorized(TILE_N):
+                        y[r // B, r % B, nt * TILE_N + i] = T.Cast(out_dtype, facc[r, i])
+
+    if kind == "sym":
+        @T.prim_func(private=True, check_well_formed=False)
+        def func(var_x: T.handle, wp: T.Buffer((NT, NG, C, 64), "uint8"),
+                 d: T.Buffer((NT, NG, TILE_N), f16), var_y: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
+            A = T.int64()
+            B = T.int64()
+            x = T.match_buffer(var_x, (A, B, K), "float32")
+            y = T.match_buffer(var_y, (A, B, N), out_dtype)
+            kernel(x, y, wp, d, d, d, d, A, B)
+    elif kind == "asym":
+        @T.prim_func(private=True, check_well_formed=False)
+        def func(var_x: T.handle, wp: T.Buffer((NT, NG, C, 64), "uint8"),
+                 d: T.Buffer((NT, NG, TILE_N), f16), m: T.Buffer((NT, NG, TILE_N), f16),
+                 var_y: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
+            A = T.int64()
+            B = T.int64()
+            x = T.match_buffer(var_x, (A, B, K), "float32")
+            y = T.match_buffer(var_y, (A, B, N), out_dtype)
+            kernel(x, y, wp, d, m, d, m, A, B)
+    else:
+        @T.prim_func(private=True, check_well_formed=False)
+        def func(var_x: T.handle, wp: T.Buffer((NT, NG, C, 64), "uint8"),
+                 sc: T.Buffer((NT, NG, TILE_N), "uint8"), mn: T.Buffer((NT, NG, TILE_N), "uint8"),
+                 d: T.Buffer((NT, NS, TILE_N), f16), dmin: T.Buffer((NT, NS, TILE_N), f16),
+                 var_y: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
+            A = T.int64()
+            B = T.int64()
+            x = T.match_buffer(var_x, (A, B, K), "float32")
+            y = T.match_buffer(var_y, (A, B, N), out_dtype)
+            kernel(x, y, wp, sc, mn, d, dmin, A, B)
+    return func

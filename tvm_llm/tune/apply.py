@@ -51,16 +51,17 @@ def apply_tuning_log(mod, target_spec, log_dir: str, warn=None):
     warn = warn or _warn_default
     target = target_spec.tvm_target()
     hw_key = target_spec.hw_key()
-    log_dir = resolve_log_dir(log_dir, hw_key)
     messages = []
 
     def note(msg):
         messages.append(msg)
         warn(msg)
 
+    log_dir = resolve_log_dir(log_dir, hw_key, note)
+
     report = {"log": log_dir, "hw_key": hw_key, "records": 0, "buckets": [], "kernels": [],
               "warnings": messages}
-    db, n = read_log(log_dir, hw_key, note)
+    db, n = read_log(log_dir, hw_key, note, fallback=True)
     report["records"] = n
     if n == 0:
         note(f"{log_dir}: no usable tuning records for {hw_key}; building with default schedules")

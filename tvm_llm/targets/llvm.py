@@ -138,7 +138,9 @@ class LLVMTarget(TargetSpec):
         build time — schedules/cpu/prepack.py — but TVM's SplitLayoutRewritePreproc fails on
         one of the imported model's kernels, so the build does not enable packing yet.)"""
         from schedules.cpu import cpu_schedule_pass
+        from schedules.cpu.fast_math import register_fast_exp
 
+        register_fast_exp()  # vector exp for SiLU and softmax instead of one expf per lane
         return [cpu_schedule_pass(self)]
 
     def export_library(self, executable, path: str) -> None:

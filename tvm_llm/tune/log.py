@@ -116,6 +116,27 @@ def is_generic_record(record) -> bool:
         return False
 
 
+RULE_GRID_MARK = "tvm_llm.rule_grid"
+
+
+def marked_label(record, key: str) -> str | None:
+    """The value of a root-block annotation `key` in a record's trace, None if absent."""
+    try:
+        for inst in record.trace.insts:
+            if inst.kind.name == "Annotate" and str(inst.attrs[0]) == key:
+                val = inst.inputs[1]
+                return str(getattr(val, "value", val))
+    except Exception:  # pylint: disable=broad-except
+        return None
+    return None
+
+
+def is_trial_record(record) -> bool:
+    """A MetaSchedule trial: neither the generic kernel's measurement nor a rule-grid point
+    (tvm_llm.tune.rule_grid), which the tuner measures on its own."""
+    return not is_generic_record(record) and marked_label(record, RULE_GRID_MARK) is None
+
+
 def mean_seconds(record) -> float | None:
     """Mean measured seconds of a record, None for a failed or unmeasured one."""
     secs = [float(s) for s in (record.run_secs or [])]
@@ -312,7 +333,7 @@ def make_tuning_log(log_dir: str, hw_key: str, warn=None):
         def _load(self, lineno, rec):
             self.mem.commit_workload(rec.workload.mod)
             self.mem.commit_tuning_record(rec)
-            if not is_generic_record(rec):
+            if is_trial_record(rec):
                 h = str(rec.workload.as_json()[0])
                 self.counts[h] = self.counts.get(h, 0) + 1
 
@@ -371,7 +392,7 @@ def make_tuning_log(log_dir: str, hw_key: str, warn=None):
                     self.reader.read_workloads()
                     idx = len(self.reader.workloads) - 1
                 _append_line(self.reader.rec_path, json.dumps([idx, record.as_json()]))
-            if not is_generic_record(record):
+            if is_trial_record(record):
                 self.counts[h] = self.counts.get(h, 0) + 1
 
     return TuningLog()

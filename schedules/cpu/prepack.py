@@ -34,10 +34,46 @@ def prepack_passes(model_functions=("prefill", "decode")) -> list:
     """Relax passes to run right after the scheduling pass so the packing is lifted out of the
     model functions into a shared ``transform_params``."""
     return [
-        relax.transform.SplitLayoutRewritePreproc(),
+        SplitLayoutRewritePreprocAnyBody(),
         DedupPrimFuncs(),
         relax.transform.LiftTransformParams(shared_transform=list(model_functions)),
     ]
+
+
+def LiftPackedWeights(model_functions=("prefill", "decode", "hidden_states")):
+    """LiftTransformParams shared by those of `model_functions` the module has; nothing when
+    it has none (a lone kernel scheduled for measurement: TVM's pass fails on an empty list)."""
+
+    def transform(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        names = {gv.name_hint for gv in mod.get_global_vars()}
+        present = [f for f in model_functions if f in names]
+        if not present:
+            return mod
+        return relax.transform.LiftTransformParams(shared_transform=present)(mod)
+
+    return tvm.transform.module_pass(transform, opt_level=0, name="LiftTransformParams")
+
+
+@tvm.transform.module_pass(opt_level=0, name="SplitLayoutRewritePreproc")
+class SplitLayoutRewritePreprocAnyBody:
+    """TVM's SplitLayoutRewritePreproc on the kernels that have a layout-rewrite block only:
+    TVM's pass walks every PrimFunc and fails on those whose body is not a root block with
+    compute blocks under it (the paged KV cache's hand-written TIR, our attention kernels).
+    The others leave the module for the pass and come back unchanged."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        keep, aside = {}, {}
+        for gv, f in mod.functions_items():
+            if isinstance(f, tirx.PrimFunc) and "meta_schedule.layout_rewrite_preproc" not in f.script():
+                aside[gv] = f
+            else:
+                keep[gv] = f
+        if len(aside) == len([f for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)]):
+            return mod  # nothing to split
+        out = relax.transform.SplitLayoutRewritePreproc()(tvm.IRModule(keep, attrs=mod.attrs))
+        for gv, f in aside.items():
+            out[gv] = f
+        return out
 
 
 @tvm.transform.module_pass(opt_level=0, name="DedupPrimFuncs")

@@ -139,15 +139,14 @@ class LLVMTarget(TargetSpec):
         (schedules/cpu/gemm.py: 1.3-1.4x the row-major GEMV rule on prefill, faster decode
         too), and the packing is split out of the kernels and lifted into a second
         transform_params that the build runs once (schedules/cpu/prepack.py)."""
-        from tvm import relax
-
         from schedules.cpu import cpu_schedule_pass
         from schedules.cpu.fast_math import register_fast_exp
         from schedules.cpu.prepack import (DedupPrimFuncs, LiftPackedWeights,
+                                           MarkWeightsLayoutFree,
                                            SplitLayoutRewritePreprocAnyBody)
 
         register_fast_exp()  # vector exp for SiLU and softmax instead of one expf per lane
-        return [relax.transform.AttachAttrLayoutFreeBuffers(), cpu_schedule_pass(self),
+        return [MarkWeightsLayoutFree(), cpu_schedule_pass(self),
                 SplitLayoutRewritePreprocAnyBody(), DedupPrimFuncs(), LiftPackedWeights()]
 
     def export_library(self, executable, path: str) -> None:

@@ -1,7 +1,7 @@
 """What the tuning log buys: per-kernel and end-to-end latency with the log versus without.
 
     python scripts/bench_tuning.py --shape llama-110m --threads 2 \
-        --tuning-log autotune_logs/cpu-x86_64-avx512 [--no-rules]
+        --tuning-log autotune_logs/cpu-x86_64-znver4-avx512 [--no-rules]
 
 Builds the random-weight checkpoint of scripts/bench.py three ways (cached under
 ~/.cache/tvm_llm/bench; --rebuild to redo): with our hand-written schedule rules only, with the

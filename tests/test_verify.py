@@ -62,11 +62,13 @@ def _corrupt_layer(out: str, dst: str, layer: int) -> str:
     shutil.copytree(out, dst)
     with open(os.path.join(dst, "manifest.json")) as f:
         manifest = json.load(f)
-    entry = next(p for p in manifest["params"]
-                 if f"layers.{layer}." in p["name"] and len(p["shape"]) == 2)
+    # a weight that keeps its checkpoint name (CPU builds save the linears packed, under
+    # the names of the weight transform's outputs): the layer's first one, e.g. its norm
+    entry = next(p for p in manifest["params"] if f"layers.{layer}." in p["name"])
     w = np.memmap(os.path.join(dst, "weights.bin"), dtype=entry["dtype"], mode="r+",
                   offset=entry["offset"], shape=tuple(entry["shape"]))
-    w += np.random.default_rng(0).normal(0, float(w.std()), w.shape).astype(w.dtype)
+    scale = max(float(w.std()), float(np.abs(w).mean()))  # a norm weight: ~1 +- small
+    w += np.random.default_rng(0).normal(0, scale, w.shape).astype(w.dtype)
     w.flush()
     del w
     return entry["name"]

@@ -31,7 +31,8 @@ def _tune(args) -> None:
          rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key, dtype=args.dtype,
          context_window=args.context_window, max_batch_size=args.max_batch_size,
          prefill_chunk_size=args.prefill_chunk_size, trials_per_batch=args.trials_per_batch,
-         compare_generic=not args.no_rules_baseline, log=lambda *a: print(*a, flush=True))
+         compare_generic=not args.no_rules_baseline, rule_grid=not args.no_rule_grid,
+         log=lambda *a: print(*a, flush=True))
 
 
 def _plan(args) -> None:
@@ -288,6 +289,9 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-rules-baseline", action="store_true",
                    help="do not measure our rules' kernel at each size (the build then uses every "
                         "tuned kernel, even one slower than our rules)")
+    t.add_argument("--no-rule-grid", action="store_true",
+                   help="do not measure our matmul rules at each register tile of the CPU's "
+                        "row of schedules/cpu/microarch.py")
     t.add_argument("--context-window", type=_positive_int, default=None)
     t.add_argument("--max-batch-size", type=_positive_int, default=8)
     t.add_argument("--prefill-chunk-size", type=_positive_int, default=512)

@@ -17,8 +17,10 @@ Claims
 Why the schedule is shaped so
     * Micro-kernel: an ``Mr x PN`` tile of C (``PN = Nv`` vectors of the target's widest SIMD)
       stays in registers while k runs: per k it loads ``Nv`` vectors of the packed panel and
-      broadcasts ``Mr`` scalars of A, for ``Mr*Nv`` FMAs (AVX-512: 4x3 when 48 divides N, else
-      7x2; AVX2 6x2; NEON 6x4). The tile is a "global"-scope buffer of < 1 KiB, which TVM puts
+      broadcasts ``Mr`` scalars of A, for ``Mr*Nv`` FMAs. The tile depends on the CPU model,
+      not only the ISA (:mod:`.microarch`, which says which rows were measured and which are
+      reasoned): znver4 4x3 when 48 divides N, else 7x2; Intel parts with two 512-bit FMA ports
+      7x2 first (half the panel traffic from L2 per FMA); AVX2 6x2; NEON 6x4. The tile is a "global"-scope buffer of < 1 KiB, which TVM puts
       on the stack and LLVM promotes to registers; a larger tile, or a "local" one, becomes a
       TVMBackendAllocWorkspace buffer whose stores stay in the k loop (measured 3x slower).
       That limit caps the tile at 15 accumulators; 12-14 already run at ~95% of the FMA peak.
@@ -51,7 +53,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
-from . import common
+from . import common, microarch
 
 LAYOUT_REWRITE_ATTR = "meta_schedule.layout_rewrite_preproc"
 
@@ -64,20 +66,13 @@ def packed_panel_width(target: Target, N: int, K: int, dtype: str = "float32") -
 def gemm_tile(target: Target, N: int, K: int, dtype: str = "float32"):
     """(Mr, Nv): rows of A and SIMD vectors of C per register tile.
 
-    Accumulators Mr*Nv fill most of the vector register file while the tile stays under the
-    1 KiB stack limit; PN = Nv * lanes prefers widths that divide N (no padded panel).
+    Candidates come from the target CPU's row of :mod:`.microarch` (best first). Accumulators
+    Mr*Nv fill most of the vector register file while the tile stays under the 1 KiB stack
+    limit; PN = Nv * lanes prefers widths that divide N (no padded panel).
     """
     lanes = common.vector_lanes(target, dtype)
-    isa = common.vector_isa(target)
     elem = max(1, tvm.runtime.DataType(dtype).bits // 8)
-    if isa == "avx512":
-        cands = [(4, 3), (7, 2), (3, 4), (15, 1)]
-    elif isa == "avx2":
-        cands = [(6, 2), (4, 3), (12, 1)]
-    elif isa == "neon":
-        cands = [(6, 4), (8, 3), (12, 2)]
-    else:
-        cands = [(4, 2), (8, 1)]
+    cands = list(microarch.tile_row(target).gemm)
     limit = (common.MAX_STACK_BYTES - 1) // elem
     cands = [(mr, nv) for mr, nv in cands if mr * nv * lanes <= limit] or [(1, 1)]
     for mr, nv in cands:

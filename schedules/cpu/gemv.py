@@ -37,23 +37,22 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
-from . import common
+from . import common, microarch
 
 
 def gemv_tile(target: Target, N: int, K: int, dtype: str = "float32", decode_like: bool = False):
     """(Mr, Nr, L): rows of x, rows of W, and K lanes per step.
 
-    Decode-shaped kernels (x: (b, 1, K)) use one row of x against 8 weight rows: the common
-    b = 1 runs a clean loop (no predicated row tail) with 8 independent streams. Prefill uses
-    3 x 4 (12 accumulators, 7 loads per 12 FMAs). Measured on znver4, 1 thread: decode 1x8
-    ~= torch.sum bandwidth, 2x6 -15%; prefill n=128 3x4 80 GF/s, 2x6 74, 1x8 45.
+    Candidates from the target CPU's row of :mod:`.microarch`. Decode-shaped kernels
+    (x: (b, 1, K)) use one row of x against 8 weight rows: the common b = 1 runs a clean loop
+    (no predicated row tail) with 8 independent streams. Prefill on znver4 uses 3 x 4 (12
+    accumulators, 7 loads per 12 FMAs). Measured on znver4, 1 thread: decode 1x8 ~= torch.sum
+    bandwidth, 2x6 -15%; prefill n=128 3x4 80 GF/s, 2x6 74, 1x8 45.
     """
     lanes = common.vector_lanes(target, dtype)
     L = common.pow2_divisor(K, lanes)
-    if decode_like:
-        cands = [(1, 8), (1, 4), (1, 2), (1, 1)]
-    else:
-        cands = [(3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)]
+    row = microarch.tile_row(target)
+    cands = row.gemv_decode if decode_like else row.gemv_prefill
     elem = max(1, tvm.runtime.DataType(dtype).bits // 8)
     limit = (common.MAX_STACK_BYTES - 1) // elem
     for mr, nr in cands:

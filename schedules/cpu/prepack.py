@@ -3,7 +3,7 @@
 The GEMM rule packs a weight only when the build marked it layout-free: the kernel then
 starts with a "layout rewrite" block (annotated ``meta_schedule.layout_rewrite_preproc``) that
 copies W into the packed buffer. Run per call, that copy would triple decode's memory traffic,
-so the build must move it to build time:
+so the build must move it to build time (tvm_llm/targets/llvm.py runs these steps):
 
 1. before the scheduling pass (after FuseTIR):
    ``relax.transform.AttachAttrLayoutFreeBuffers()`` — marks the PrimFunc parameters that are
@@ -11,7 +11,8 @@ so the build must move it to build time:
    ``layout_free_buffers``. Without it the rules never repack (decode then uses the GEMV rule
    over the row-major weight; prefill too, slower than packed);
 2. the scheduling pass (``cpu_schedule_pass``);
-3. after it, :func:`prepack_passes`: ``SplitLayoutRewritePreproc`` (splits each kernel into
+3. after it, :func:`prepack_passes`: ``SplitLayoutRewritePreproc`` (on the kernels with a
+   layout-rewrite block only, see :class:`SplitLayoutRewritePreprocAnyBody`; splits each kernel into
    ``<kernel>_weight_prepack`` + ``<kernel>_prepacked`` and calls both from Relax),
    :class:`DedupPrimFuncs` (prefill's and decode's prepack functions of the same weight are
    identical: give them one GlobalVar), then
@@ -34,10 +35,89 @@ def prepack_passes(model_functions=("prefill", "decode")) -> list:
     """Relax passes to run right after the scheduling pass so the packing is lifted out of the
     model functions into a shared ``transform_params``."""
     return [
-        relax.transform.SplitLayoutRewritePreproc(),
+        SplitLayoutRewritePreprocAnyBody(),
         DedupPrimFuncs(),
         relax.transform.LiftTransformParams(shared_transform=list(model_functions)),
     ]
+
+
+@tvm.transform.module_pass(opt_level=0, name="AttachAttrLayoutFreeBuffers")
+class MarkWeightsLayoutFree:
+    """Marks the kernel parameters that receive model weights (``layout_free_buffers``: what
+    TVM's AttachAttrLayoutFreeBuffers does), for the kernels our rules schedule only, and in
+    place: TVM's pass copies and renames kernels, and its copy of the hand-written W4A8 kernel
+    no longer compiled ("variables are used, but are not passed in as API arguments").
+    Weights are the Relax parameters past ``num_input``; a kernel called from several places
+    gets the positions that hold a weight at every call."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        from tvm import s_tir  # pylint: disable=import-outside-toplevel
+
+        call_tir = tvm.ir.Op.get("relax.call_tir")
+        marks: dict = {}
+        for _, func in mod.functions_items():
+            if not isinstance(func, relax.Function) or func.attrs is None \
+                    or "num_input" not in func.attrs:
+                continue
+            weights = set(func.params[int(func.attrs["num_input"]):])
+
+            def visit(expr, weights=weights):
+                if isinstance(expr, relax.Call) and expr.op.same_as(call_tir):
+                    args = expr.args[1].fields if isinstance(expr.args[1], relax.Tuple) else []
+                    idx = {i for i, a in enumerate(args) if a in weights}
+                    gv = expr.args[0]
+                    marks[gv] = idx if gv not in marks else marks[gv] & idx
+
+            relax.analysis.post_order_visit(func.body, visit)
+        out = mod
+        for gv, idx in marks.items():
+            func = mod[gv] if gv in mod.get_global_vars() else None
+            if not isinstance(func, tirx.PrimFunc) or not idx:
+                continue
+            if bool((func.attrs or {}).get("tirx.is_scheduled", False)) \
+                    or not isinstance(func.body, s_tir.SBlockRealize):
+                continue  # hand-written: our rules do not schedule it
+            if out is mod:
+                out = mod.clone()
+            out.update_func(gv, func.with_attr("layout_free_buffers",
+                                               [tvm.tirx.IntImm("int32", i) for i in sorted(idx)]))
+        return out
+
+
+def LiftPackedWeights(model_functions=("prefill", "decode", "hidden_states")):
+    """LiftTransformParams shared by those of `model_functions` the module has; nothing when
+    it has none (a lone kernel scheduled for measurement: TVM's pass fails on an empty list)."""
+
+    def transform(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        names = {gv.name_hint for gv in mod.get_global_vars()}
+        present = [f for f in model_functions if f in names]
+        if not present:
+            return mod
+        return relax.transform.LiftTransformParams(shared_transform=present)(mod)
+
+    return tvm.transform.module_pass(transform, opt_level=0, name="LiftTransformParams")
+
+
+@tvm.transform.module_pass(opt_level=0, name="SplitLayoutRewritePreproc")
+class SplitLayoutRewritePreprocAnyBody:
+    """TVM's SplitLayoutRewritePreproc on the kernels that have a layout-rewrite block only:
+    TVM's pass walks every PrimFunc and fails on those whose body is not a root block with
+    compute blocks under it (the paged KV cache's hand-written TIR, our attention kernels).
+    The others leave the module for the pass and come back unchanged."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        keep, aside = {}, {}
+        for gv, f in mod.functions_items():
+            if isinstance(f, tirx.PrimFunc) and "meta_schedule.layout_rewrite_preproc" not in f.script():
+                aside[gv] = f
+            else:
+                keep[gv] = f
+        if len(aside) == len([f for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)]):
+            return mod  # nothing to split
+        out = relax.transform.SplitLayoutRewritePreproc()(tvm.IRModule(keep, attrs=mod.attrs))
+        for gv, f in aside.items():
+            out[gv] = f
+        return out
 
 
 @tvm.transform.module_pass(opt_level=0, name="DedupPrimFuncs")

@@ -91,9 +91,9 @@ def test_bad_lines_are_named_and_skipped(tmp_path):
     text = "\n".join(warnings)
     assert f"{rec_path}:3: corrupt or truncated record" in text
     assert f"{rec_path}:4: record names workload line 100" in text
-    assert f"(line 5) were tuned for cpu-aarch64-neon, not {HW}" in text
+    assert f"(line 5) were tuned for cpu-aarch64-generic-neon, not {HW}" in text
     assert f"{rec_path}:6: corrupt or truncated record" in text
-    assert hw_key_of(foreign) == "cpu-aarch64-neon"
+    assert hw_key_of(foreign) == "cpu-aarch64-generic-neon"
     # a tuner appending after the truncated line starts a fresh line: nothing else is lost
     commit(make_tuning_log(d, HW, warn=lambda m: None), record(k2, 5e-5))
     warnings = []
@@ -202,3 +202,62 @@ def test_generic_kernel_record_keeps_the_generic_kernel(tmp_path):
     assert [k["kernel"] for k in report["kernels"]] == ["nt_matmul__b2"]
     names = {gv.name_hint for gv in mod.get_global_vars()}
     assert "decode__b2" in names and "decode__b1" not in names
+
+
+def test_hw_keys_name_the_cpu_model_and_isa():
+    from tvm_llm.errors import UserError
+    from tvm_llm.targets.llvm import host_cpu_name
+
+    spr = get_target("llvm", arch="sapphirerapids").hw_key()
+    zen = get_target("llvm", arch="x86_64:znver4").hw_key()
+    hsw = get_target("llvm", arch="haswell").hw_key()
+    assert (spr, zen, hsw) == ("cpu-x86_64-sapphirerapids-avx512", "cpu-x86_64-znver4-avx512",
+                               "cpu-x86_64-haswell-avx2")
+    assert get_target("llvm", arch="aarch64").hw_key() == "cpu-aarch64-generic-neon"
+    assert get_target("llvm", arch="aarch64:neoverse-v1").hw_key() == "cpu-aarch64-neoverse-v1-neon"
+    assert HW.startswith(f"cpu-{os.uname().machine}-{host_cpu_name()}-")
+    assert hw_key_of(get_target("llvm", arch="sapphirerapids").tvm_target()) == spr
+    with pytest.raises(UserError, match="unknown --arch 'pentium9'"):
+        get_target("llvm", arch="pentium9")
+
+
+def test_closest_key_prefers_same_isa_then_vendor_line_then_old_keys():
+    from tvm_llm.tune.log import closest_key
+
+    have = ["cpu-x86_64-znver3-avx2", "cpu-x86_64-sapphirerapids-avx512", "cpu-x86_64-avx512",
+            "cpu-x86_64-znver4-avx512", "cpu-aarch64-generic-neon"]
+    assert closest_key("cpu-x86_64-znver5-avx512", have) == "cpu-x86_64-znver4-avx512"
+    assert closest_key("cpu-x86_64-icelake-server-avx512",
+                       [k for k in have if "sapphire" not in k]) == "cpu-x86_64-avx512"
+    assert closest_key("cpu-x86_64-icelake-server-avx512", have[:2]) == \
+        "cpu-x86_64-sapphirerapids-avx512"
+    assert closest_key("cpu-x86_64-haswell-avx2", have) == "cpu-x86_64-znver3-avx2"
+    assert closest_key("cpu-x86_64-haswell-avx2", have[1:]) is None  # no avx2 log: none fits
+
+
+def test_build_falls_back_to_the_closest_log_and_says_so(tmp_path):
+    """A log tuned on znver4 (its own key's directory) is used, with a note, by a build for
+    sapphirerapids that has no log of its own; and an old-key directory still reads."""
+    root = tmp_path / "autotune_logs"
+    k1, _, _ = static_kernels()
+    zen = get_target("llvm", arch="znver4")
+    db = make_tuning_log(str(root / zen.hw_key()), zen.hw_key())
+    commit(db, record(k1, target=zen.tvm_target()))
+    spr = get_target("llvm", arch="sapphirerapids")
+    said = []
+    _, report = apply_tuning_log(Toy, spr, str(root), warn=said.append)
+    assert report["records"] == 1 and report["log"].endswith("cpu-x86_64-znver4-avx512")
+    text = "\n".join(said)
+    assert "no tuning log for cpu-x86_64-sapphirerapids-avx512; using the closest one, " \
+           "cpu-x86_64-znver4-avx512" in text
+    assert "no records tuned for cpu-x86_64-sapphirerapids-avx512; using the 1 of the " \
+           "closest key, cpu-x86_64-znver4-avx512" in text
+    # the same records under an old-style directory name are found too
+    os.rename(root / zen.hw_key(), root / "cpu-x86_64-avx512")
+    said = []
+    _, report = apply_tuning_log(Toy, zen, str(root), warn=said.append)
+    assert report["records"] == 1 and report["log"].endswith("cpu-x86_64-avx512")
+    assert not any("using the 1 of the closest" in m for m in said)  # records are znver4's own
+    # a tuner never counts another CPU's records as its own trials
+    assert make_tuning_log(str(root / "cpu-x86_64-avx512"), spr.hw_key(),
+                           warn=lambda m: None).count(normalize(k1)) == 0

@@ -23,7 +23,8 @@ def tuned_log(tmp_path_factory, checkpoint):
 
     log_dir = str(tmp_path_factory.mktemp("tune") / "cpu-log")
     lines = []
-    summary = tune(checkpoint("llama"), trials=2, log_dir=log_dir, buckets=["decode:b=1"],
+    summary = tune(checkpoint("llama"), trials=2, log_dir=log_dir,
+                   buckets=["decode:b=1", "prefill:n=11"],
                    kernels=["fused_NT_matmul"], trials_per_batch=2, compare_generic=False,
                    max_batch_size=BUILD["max_batch_size"],
                    prefill_chunk_size=BUILD["prefill_chunk_size"], log=lines.append)
@@ -32,10 +33,25 @@ def tuned_log(tmp_path_factory, checkpoint):
 
 def test_tune_writes_a_resumable_log(tuned_log):
     log_dir, summary, text = tuned_log
-    assert summary["trials_run"] == 4 and len(summary["kernels"]) == 2
-    assert all(k["records"] == 2 and k["bucket"] == "decode:b=1" for k in summary["kernels"])
+    assert summary["trials_run"] == 8 and len(summary["kernels"]) == 4
+    assert all(k["records"] == 2 for k in summary["kernels"])
+    assert sorted(k["bucket"] for k in summary["kernels"]) == ["decode:b=1"] * 2 + ["prefill:n=11"] * 2
     assert "ETA" in text and "best" in text  # the progress lines
     assert os.path.getsize(os.path.join(log_dir, RECORD_FILE)) > 0
+    # our own search space: the rules' register tiles of this CPU's microarch row, measured
+    # and recorded besides MetaSchedule's trials (which they do not count as)
+    from tvm_llm.targets import get_target
+    from tvm_llm.tune.log import read_log
+    from tvm_llm.tune.rule_grid import grid_label
+
+    from schedules.cpu.microarch import tile_row
+
+    spec = get_target("llvm")
+    mr, nr = tile_row(spec.tvm_target()).gemv_prefill[0]  # this CPU's row's first tile
+    assert text.count(f"(prefill:n=11) rule grid: GEMV {mr}x{nr}") == 2
+    db, _ = read_log(log_dir, spec.hw_key())
+    labels = {grid_label(r) for r in db.get_all_tuning_records()} - {None}
+    assert {f"GEMV {mr}x{nr}", "GEMV 1x4", "GEMV 1x1"} <= labels
 
 
 def test_build_applies_the_log_and_matches_transformers(tuned_log, checkpoint, hf_model,
@@ -62,14 +78,14 @@ def test_build_applies_the_log_and_matches_transformers(tuned_log, checkpoint, h
     said = "\n".join(str(w.message) for w in caught)
     n = len(good.splitlines())
     assert f"{rec_path}:{n + 1}: corrupt or truncated record" in said
-    assert f"(line {n + 2}) were tuned for cpu-aarch64-neon" in said
+    assert f"(line {n + 2}) were tuned for cpu-aarch64-generic-neon" in said
 
     tuning = manifest["report"]["tuning"]
     tuned = {k["kernel"] for k in tuning["kernels"]}
     assert tuned == {k["kernel"] for k in summary["kernels"]}
-    assert tuning["buckets"][0]["bucket"] == "decode:b=1"
+    assert {b["bucket"] for b in tuning["buckets"]} == {"decode:b=1", "prefill:n=11"}
     text = format_manifest(manifest)
-    assert "2 kernels from the log" in text and all(k in text for k in tuned)
+    assert "4 kernels from the log" in text and all(k in text for k in tuned)
 
     eng, ref_model = Engine(out), hf_model("llama")
     prompt = [int(t) for t in np.random.default_rng(1).integers(3, VOCAB, size=11)]

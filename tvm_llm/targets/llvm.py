@@ -1,4 +1,6 @@
-"""LLVM CPU targets: the host (with its real vector features) or a cross triple (aarch64)."""
+"""LLVM CPU targets: the host (with its real vector features), another CPU model (its LLVM
+name, e.g. ``--arch sapphirerapids``: code for that CPU, built here, run there) or a cross
+triple (aarch64, optionally ``aarch64:neoverse-v1``)."""
 from __future__ import annotations
 
 import os
@@ -8,9 +10,6 @@ from .base import TargetSpec
 from ..errors import UserError
 
 CROSS_TRIPLES = {"aarch64": "aarch64-linux-gnu", "x86_64": "x86_64-linux-gnu"}
-# x86 CPU levels a build can target instead of the host's own CPU (code that runs on this
-# host too): x86-64-v3 = AVX2 + FMA without AVX-512 or VNNI, x86-64-v4 = AVX-512 without VNNI
-X86_LEVELS = ("x86-64-v3", "x86-64-v4", "haswell", "skylake-avx512")
 
 
 def host_cpu_name() -> str:
@@ -28,6 +27,62 @@ def default_num_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def parse_arch(arch: str | None) -> tuple[str, str | None]:
+    """(instruction-set architecture, LLVM CPU name or None for the host's / generic) of an
+    --arch value: host (default), x86_64, aarch64, a CPU name (x86_64 implied unless LLVM only
+    knows it for aarch64), or ARCH:CPU."""
+    import tvm
+
+    host = os.uname().machine
+    if arch in (None, "", "native", "host"):
+        return host, None
+    isa, _, cpu = arch.partition(":")
+    if isa in CROSS_TRIPLES:
+        if not cpu:
+            return isa, None
+    elif not cpu:
+        isa, cpu = None, arch
+    else:
+        isa = None
+    candidates = [isa] if isa else [host] + [a for a in CROSS_TRIPLES if a != host]
+    for cand in candidates:
+        if cand in CROSS_TRIPLES and tvm.target.codegen.llvm_is_valid_cpu(cpu, CROSS_TRIPLES[cand]):
+            return cand, cpu
+    raise UserError(f"unknown --arch {arch!r} for llvm: use host (default), "
+                    f"{', '.join(CROSS_TRIPLES)}, an LLVM CPU name (znver4, sapphirerapids, "
+                    "skylake-avx512, haswell, ...) or ARCH:CPU (aarch64:neoverse-v1)")
+
+
+def _has_feature(feature: str, target) -> bool:
+    import tvm
+
+    try:
+        return bool(tvm.target.codegen.llvm_cpu_has_features(feature, target))
+    except Exception:  # pylint: disable=broad-except
+        return False
+
+
+def llvm_hw_key(target) -> str:
+    """The tuning-log key of an llvm tvm Target: cpu-<arch>-<LLVM CPU name>-<widest SIMD>, e.g.
+    cpu-x86_64-znver4-avx512, cpu-x86_64-sapphirerapids-avx512, cpu-aarch64-generic-neon.
+    The CPU model is part of it because two CPUs with the same ISA differ in what a good
+    schedule is (znver4 runs AVX-512 as 2x256-bit, sapphirerapids has two 512-bit FMA ports)."""
+    triple = str(target.attrs.get("mtriple", "") or "")
+    arch = triple.split("-")[0] if triple else os.uname().machine
+    if arch == "arm64":
+        arch = "aarch64"
+    cpu = str(target.attrs.get("mcpu", "") or "") or "generic"
+    if arch == "aarch64":
+        isa = "neon"
+    else:
+        isa = "sse"
+        for name, feat in (("avx512", "avx512f"), ("avx2", "avx2")):
+            if _has_feature(feat, target):
+                isa = name
+                break
+    return f"cpu-{arch}-{cpu}-{isa}"
+
+
 @register_target("llvm")
 class LLVMTarget(TargetSpec):
     name = "llvm"
@@ -37,20 +92,24 @@ class LLVMTarget(TargetSpec):
 
     def __init__(self, arch: str | None = None, **options):
         super().__init__(arch=arch, **options)
-        if arch not in (None, "native", "host") and arch not in CROSS_TRIPLES and arch not in X86_LEVELS:
-            raise UserError(f"unknown --arch {arch!r} for llvm: use host (default) or one of "
-                            f"{', '.join(CROSS_TRIPLES)}, {', '.join(X86_LEVELS)}")
-        self.cross = arch in CROSS_TRIPLES and not arch.startswith(os.uname().machine)
+        self.isa_arch, self.cpu = parse_arch(arch)
+        host = os.uname().machine
+        # another instruction set, or another CPU model than this one: code built for it may
+        # not run here, so it is built like a cross target (and not benchmarked here)
+        self.cross = self.isa_arch != host or (self.cpu is not None and self.cpu != host_cpu_name())
 
     def tvm_target(self):
         import tvm
 
-        if self.cross and self.arch == "aarch64":
-            return tvm.target.Target({"kind": "llvm", "mtriple": CROSS_TRIPLES["aarch64"],
-                                      "mattr": ["+neon"], "num-cores": default_num_threads()})
-        cpu = self.arch if self.arch in X86_LEVELS else host_cpu_name()
-        return tvm.target.Target({"kind": "llvm", "mtriple": f"{os.uname().machine}-linux-gnu",
-                                  "mcpu": cpu, "num-cores": default_num_threads()})
+        if self.isa_arch == "aarch64" and os.uname().machine != "aarch64":
+            spec = {"kind": "llvm", "mtriple": CROSS_TRIPLES["aarch64"], "mattr": ["+neon"],
+                    "num-cores": default_num_threads()}
+            if self.cpu:
+                spec["mcpu"] = self.cpu
+            return tvm.target.Target(spec)
+        return tvm.target.Target({"kind": "llvm", "mtriple": f"{self.isa_arch}-linux-gnu",
+                                  "mcpu": self.cpu or host_cpu_name(),
+                                  "num-cores": default_num_threads()})
 
     def vector_isa(self) -> str:
         """The widest SIMD the target has: avx512, avx2, neon or sse."""
@@ -73,22 +132,29 @@ class LLVMTarget(TargetSpec):
             tvm.target.codegen.llvm_cpu_has_features("avx512vnni", t))
 
     def hw_key(self) -> str:
-        arch = "aarch64" if self.cross and self.arch == "aarch64" else os.uname().machine
-        return f"cpu-{arch}-{self.vector_isa()}"
+        return llvm_hw_key(self.tvm_target())
 
     def schedule_passes(self) -> list:
-        """Our CPU rules over row-major weights. (The GEMM rule can also use weights packed at
-        build time — schedules/cpu/prepack.py — but TVM's SplitLayoutRewritePreproc fails on
-        one of the imported model's kernels, so the build does not enable packing yet.)"""
+        """Our CPU rules, with weights packed at build time: the build marks the model's
+        weights layout-free, the GEMM rule then reads each NT weight as packed panels
+        (schedules/cpu/gemm.py: 1.3-1.4x the row-major GEMV rule on prefill, faster decode
+        too), and the packing is split out of the kernels and lifted into a second
+        transform_params that the build runs once (schedules/cpu/prepack.py)."""
         from schedules.cpu import cpu_schedule_pass
+        from schedules.cpu.fast_math import register_fast_exp
+        from schedules.cpu.prepack import (DedupPrimFuncs, LiftPackedWeights,
+                                           MarkWeightsLayoutFree,
+                                           SplitLayoutRewritePreprocAnyBody)
 
-        return [cpu_schedule_pass(self)]
+        register_fast_exp()  # vector exp for SiLU and softmax instead of one expf per lane
+        return [MarkWeightsLayoutFree(), cpu_schedule_pass(self),
+                SplitLayoutRewritePreprocAnyBody(), DedupPrimFuncs(), LiftPackedWeights()]
 
     def export_library(self, executable, path: str, workspace_dir: str | None = None) -> None:
-        if self.cross:
+        if self.isa_arch != os.uname().machine:
             from .cross import cross_compiler
 
-            executable.export_library(path, fcompile=cross_compiler(self.arch),
+            executable.export_library(path, fcompile=cross_compiler(self.isa_arch),
                                       workspace_dir=workspace_dir)
         else:
             executable.export_library(path, workspace_dir=workspace_dir)

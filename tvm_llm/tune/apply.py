@@ -15,6 +15,7 @@ import warnings
 
 from .buckets import BUCKET_ATTR, parse_buckets, specialize_buckets
 from .log import is_generic_record, mean_seconds, read_log, resolve_log_dir
+from .rule_grid import grid_label, schedule_at
 
 
 class TuningLogWarning(UserWarning):
@@ -51,16 +52,17 @@ def apply_tuning_log(mod, target_spec, log_dir: str, warn=None):
     warn = warn or _warn_default
     target = target_spec.tvm_target()
     hw_key = target_spec.hw_key()
-    log_dir = resolve_log_dir(log_dir, hw_key)
     messages = []
 
     def note(msg):
         messages.append(msg)
         warn(msg)
 
+    log_dir = resolve_log_dir(log_dir, hw_key, note)
+
     report = {"log": log_dir, "hw_key": hw_key, "records": 0, "buckets": [], "kernels": [],
               "warnings": messages}
-    db, n = read_log(log_dir, hw_key, note)
+    db, n = read_log(log_dir, hw_key, note, fallback=True)
     report["records"] = n
     if n == 0:
         note(f"{log_dir}: no usable tuning records for {hw_key}; building with default schedules")
@@ -115,16 +117,29 @@ def apply_tuning_log(mod, target_spec, log_dir: str, warn=None):
             continue
         if sch is None or rec is None or is_generic_record(rec):
             continue
+        label = grid_label(rec)
+        if label is not None:  # our rule at a measured tile (tvm_llm.tune.rule_grid)
+            try:
+                sch = schedule_at(wl, target, label)
+            except Exception:  # pylint: disable=broad-except
+                sch = None
+            if sch is None:
+                note(f"{log_dir}: rule grid point {label} no longer applies to kernel "
+                     f"{gv.name_hint}; default schedule used")
+                continue
         new = sch.mod["main"]
         for key, value in (func.attrs or {}).items():
             new = new.with_attr(key, value)
         updates[gv] = new.with_attr("tirx.is_scheduled", True)
         secs = mean_seconds(rec)
         attrs = func.attrs or {}
-        report["kernels"].append({
+        entry = {
             "kernel": gv.name_hint, "generic": generic_of.get(gv.name_hint, gv.name_hint),
             "bucket": str(attrs[BUCKET_ATTR]) if BUCKET_ATTR in attrs else None,
-            "tuned_ms": None if secs is None else round(secs * 1e3, 4)})
+            "tuned_ms": None if secs is None else round(secs * 1e3, 4)}
+        if label is not None:
+            entry["rule_grid"] = label  # our rule at this measured tile
+        report["kernels"].append(entry)
     if updates:
         mod = mod.clone()
         for gv, new in updates.items():

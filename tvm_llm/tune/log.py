@@ -33,8 +33,8 @@ _HW_KEYS: dict = {}
 
 
 def hw_key_of(target) -> str:
-    """The hardware key of a tvm Target, as TargetSpec.hw_key() names it: cpu-x86_64-avx512,
-    cuda-sm_90, rocm-gfx942."""
+    """The hardware key of a tvm Target, as TargetSpec.hw_key() names it:
+    cpu-x86_64-znver4-avx512, cuda-sm_90, rocm-gfx942."""
     text = str(target)
     if text not in _HW_KEYS:
         _HW_KEYS[text] = _hw_key_of(target)
@@ -42,29 +42,63 @@ def hw_key_of(target) -> str:
 
 
 def _hw_key_of(target) -> str:
-    import tvm
-
     kind = target.kind.name
     attrs = target.attrs
     if kind == "llvm":
-        triple = str(attrs.get("mtriple", "") or "")
-        arch = triple.split("-")[0] if triple else os.uname().machine
-        if arch.startswith(("aarch64", "arm64")):
-            return f"cpu-{arch}-neon"
-        isa = "sse"
-        for name, feat in (("avx512", "avx512f"), ("avx2", "avx2")):
-            try:
-                if tvm.target.codegen.llvm_cpu_has_features(feat, target):
-                    isa = name
-                    break
-            except Exception:  # pylint: disable=broad-except
-                pass
-        return f"cpu-{arch}-{isa}"
+        from ..targets.llvm import llvm_hw_key
+
+        return llvm_hw_key(target)
     if kind == "cuda":
         return f"cuda-{attrs.get('arch', '')}"
     if kind == "rocm":
         return f"rocm-{attrs.get('mcpu', '')}"
     return kind
+
+
+# CPU models of one vendor's line: a log tuned on one is a closer guess for another of the same
+# line (similar pipes and caches) than one from the other vendor's
+_CPU_FAMILIES = (("znver", "amd"), ("bdver", "amd"), ("btver", "amd"))
+
+
+def _cpu_family(cpu: str | None) -> str | None:
+    if not cpu or cpu == "generic":
+        return None
+    for prefix, family in _CPU_FAMILIES:
+        if cpu.startswith(prefix):
+            return family
+    return "other"  # Intel / Arm names: no shared prefix to go by
+
+
+def parse_hw_key(key: str):
+    """(kind, arch, cpu, isa) of a cpu key, cpu None for the keys made before CPU models were
+    part of it (cpu-x86_64-avx512); None for other kinds of key."""
+    parts = str(key).split("-")
+    if len(parts) < 3 or parts[0] != "cpu":
+        return None
+    arch, isa = parts[1], parts[-1]
+    cpu = "-".join(parts[2:-1]) or None
+    return "cpu", arch, cpu, isa
+
+
+def key_distance(wanted: str, have: str) -> int | None:
+    """How far the log key `have` is from the build's key `wanted`: 0 the same, None when a log
+    of `have` does not fit (another instruction set or SIMD width), else larger = less alike:
+    1 same vendor line (znver3 for znver4), 2 an old key without CPU model, 3 another CPU."""
+    if wanted == have:
+        return 0
+    w, h = parse_hw_key(wanted), parse_hw_key(have)
+    if w is None or h is None or w[1] != h[1] or w[3] != h[3]:
+        return None
+    if h[2] is None:
+        return 2
+    fam = _cpu_family(w[2])
+    return 1 if fam not in (None, "other") and fam == _cpu_family(h[2]) else 3
+
+
+def closest_key(wanted: str, keys) -> str | None:
+    """The key of `keys` nearest to `wanted` (key_distance), ties by name; None if none fits."""
+    scored = sorted((d, k) for k in set(keys) if (d := key_distance(wanted, k)) is not None)
+    return scored[0][1] if scored else None
 
 
 GENERIC_MARK = "tvm_llm.generic_kernel"
@@ -80,6 +114,27 @@ def is_generic_record(record) -> bool:
                 and str(insts[1].attrs[0]) == GENERIC_MARK)
     except Exception:  # pylint: disable=broad-except
         return False
+
+
+RULE_GRID_MARK = "tvm_llm.rule_grid"
+
+
+def marked_label(record, key: str) -> str | None:
+    """The value of a root-block annotation `key` in a record's trace, None if absent."""
+    try:
+        for inst in record.trace.insts:
+            if inst.kind.name == "Annotate" and str(inst.attrs[0]) == key:
+                val = inst.inputs[1]
+                return str(getattr(val, "value", val))
+    except Exception:  # pylint: disable=broad-except
+        return None
+    return None
+
+
+def is_trial_record(record) -> bool:
+    """A MetaSchedule trial: neither the generic kernel's measurement nor a rule-grid point
+    (tvm_llm.tune.rule_grid), which the tuner measures on its own."""
+    return not is_generic_record(record) and marked_label(record, RULE_GRID_MARK) is None
 
 
 def mean_seconds(record) -> float | None:
@@ -99,12 +154,23 @@ def has_log(log_dir: str) -> bool:
     return any(os.path.isfile(p) for p in log_files(log_dir))
 
 
-def resolve_log_dir(path: str, hw_key: str) -> str:
+def resolve_log_dir(path: str, hw_key: str, warn=None) -> str:
     """`path` itself when it holds a log, else `path/<hw_key>` when that does (so both
-    --tuning-log autotune_logs and --tuning-log autotune_logs/cpu-x86_64-avx512 work)."""
-    if not has_log(path) and has_log(os.path.join(path, hw_key)):
+    --tuning-log autotune_logs and --tuning-log autotune_logs/cpu-x86_64-znver4-avx512 work),
+    else the subdirectory of `path` whose key is closest to `hw_key` (key_distance: same ISA,
+    preferably the same vendor's line, then an old-style key), with a note to `warn` saying so."""
+    if has_log(path) or not os.path.isdir(path):
+        return path
+    if has_log(os.path.join(path, hw_key)):
         return os.path.join(path, hw_key)
-    return path
+    keys = [d for d in os.listdir(path) if has_log(os.path.join(path, d))]
+    best = closest_key(hw_key, keys)
+    if best is None:
+        return path
+    if warn:
+        warn(f"{path}: no tuning log for {hw_key}; using the closest one, {best} (tuned on "
+             "another CPU: its schedules are valid here but may not be the fastest)")
+    return os.path.join(path, best)
 
 
 @contextlib.contextmanager
@@ -152,8 +218,10 @@ class _Reader:
             self.hashes.append(h)
         self.wl_offset += complete
 
-    def read_records(self, on_record):
-        """on_record(lineno, record) for every record line that parses and fits the hw key."""
+    def read_records(self, on_record, fallback=False):
+        """on_record(lineno, record) for every record line that parses and fits the hw key.
+        With `fallback`, when no record has the exact key, the records of the closest key
+        (key_distance) are used instead, with a note saying so."""
         from tvm.s_tir.meta_schedule.database import TuningRecord
 
         if not os.path.isfile(self.rec_path):
@@ -185,13 +253,22 @@ class _Reader:
                 if self.hw_key is not None:
                     key = hw_key_of(rec.target) if rec.target is not None else None
                     if key != self.hw_key:
-                        other.setdefault(key, []).append(lineno)
+                        other.setdefault(key, []).append((lineno, rec))
                         continue
                 on_record(lineno, rec)
                 n += 1
+        best = closest_key(self.hw_key, [k for k in other if k]) if fallback and n == 0 else None
+        if best is not None:
+            self.warn(f"{self.rec_path}: no records tuned for {self.hw_key}; using the "
+                      f"{len(other[best])} of the closest key, {best} (another CPU: valid "
+                      "schedules here, maybe not the fastest)")
+            for lineno, rec in other.pop(best):
+                on_record(lineno, rec)
+                n += 1
         for key, lines in other.items():
-            shown = ", ".join(str(x) for x in lines[:5]) + (" ..." if len(lines) > 5 else "")
-            self.warn(f"{self.rec_path}: {len(lines)} record(s) (line {shown}) were tuned for "
+            nums = [x for x, _ in lines]
+            shown = ", ".join(str(x) for x in nums[:5]) + (" ..." if len(nums) > 5 else "")
+            self.warn(f"{self.rec_path}: {len(nums)} record(s) (line {shown}) were tuned for "
                       f"{key}, not {self.hw_key}; skipped")
         return n
 
@@ -201,9 +278,11 @@ def _short(e: Exception) -> str:
     return (text[-1] if text else type(e).__name__)[:160]
 
 
-def read_log(log_dir: str, hw_key: str | None, warn=None):
+def read_log(log_dir: str, hw_key: str | None, warn=None, fallback: bool = False):
     """(MemoryDatabase of the valid, successfully measured records, number of such records).
-    Never raises on bad content; `warn(message)` hears about every line it skipped."""
+    Never raises on bad content; `warn(message)` hears about every line it skipped.
+    `fallback`: use the records of the closest hardware key when none has `hw_key` (a build
+    may; a tuner counting its own trials must not)."""
     from tvm.s_tir.meta_schedule.database import MemoryDatabase
 
     warn = warn or (lambda msg: None)
@@ -225,7 +304,7 @@ def read_log(log_dir: str, hw_key: str | None, warn=None):
             warn(f"{reader.rec_path}:{lineno}: record not usable ({_short(e)}); skipped")
 
     try:
-        reader.read_records(add)
+        reader.read_records(add, fallback=fallback)
     except OSError as e:
         warn(f"{reader.rec_path}: cannot read ({e}); no tuning records used")
     return db, len(db)
@@ -254,7 +333,7 @@ def make_tuning_log(log_dir: str, hw_key: str, warn=None):
         def _load(self, lineno, rec):
             self.mem.commit_workload(rec.workload.mod)
             self.mem.commit_tuning_record(rec)
-            if not is_generic_record(rec):
+            if is_trial_record(rec):
                 h = str(rec.workload.as_json()[0])
                 self.counts[h] = self.counts.get(h, 0) + 1
 
@@ -313,7 +392,7 @@ def make_tuning_log(log_dir: str, hw_key: str, warn=None):
                     self.reader.read_workloads()
                     idx = len(self.reader.workloads) - 1
                 _append_line(self.reader.rec_path, json.dumps([idx, record.as_json()]))
-            if not is_generic_record(record):
+            if is_trial_record(record):
                 self.counts[h] = self.counts.get(h, 0) + 1
 
     return TuningLog()

@@ -1,6 +1,6 @@
 """`tvm-llm tune`: MetaSchedule + XGBoost over the model's kernels, into a per-hardware log.
 
-    tune(model_dir, target="llvm", trials=32, log_dir="autotune_logs/cpu-x86_64-avx512")
+    tune(model_dir, target="llvm", trials=32, log_dir="autotune_logs/cpu-x86_64-znver4-avx512")
 
 1. import the checkpoint and run our pipeline up to its "lowering" phase, so the kernels are
    exactly those the build compiles (same fusion, same weight layout);
@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import UserError
+from .rule_grid import measure_rule_grid
 
 DEFAULT_TRIALS = 32
 
@@ -352,11 +353,14 @@ def tune(model_dir: str, target: str = "llvm", arch: str | None = None,
 def tune_module(mod, spec, buckets, trials: int = DEFAULT_TRIALS, log_dir: str | None = None,
                 kernels=None, runner=None, trials_per_batch: int = 16,
                 builders: int | None = None, warmup_samples: int = 8, cache_flush: bool = True,
-                seed: int = 0, compare_generic: bool = True, log=print) -> dict:
+                seed: int = 0, compare_generic: bool = True, rule_grid: bool = True,
+                log=print) -> dict:
     """Tune the static bucket kernels of a lowered module (see tune); `runner` is a
     (MetaSchedule runner, description) pair from make_runner, default local.
     compare_generic: first measure each kernel's generic version under our rules (recorded in
-    the log, so the build keeps it where tuning did not beat it)."""
+    the log, so the build keeps it where tuning did not beat it).
+    rule_grid: then measure our matmul rules at every register tile of the CPU's row of
+    schedules/cpu/microarch.py (tvm_llm.tune.rule_grid), recorded likewise."""
     from tvm.s_tir import meta_schedule as ms
 
     from .log import make_tuning_log
@@ -390,11 +394,19 @@ def tune_module(mod, spec, buckets, trials: int = DEFAULT_TRIALS, log_dir: str |
     if baseline:
         log(f"[tvm-llm] measuring our rules' generic kernel at each size first ({len(baseline)} "
             "kernels): the build keeps it wherever no tuned schedule beats it")
+    grid = [t for t in tasks if rule_grid and spec.device_type == "cpu"]
     try:
         for t in baseline:
             if stop["stop"]:
                 raise KeyboardInterrupt
             measure_generic(t, spec, builder, runner, db, log)
+        if grid:
+            log("[tvm-llm] measuring our matmul rules at each register tile of the "
+                f"{_tile_row_name(spec)} row (schedules/cpu/microarch.py)")
+        for t in grid:
+            if stop["stop"]:
+                raise KeyboardInterrupt
+            measure_rule_grid(t, spec, builder, runner, db, log)
     except BaseException as e:
         builder.shutdown()
         interrupt.__exit__(None, None, None)
@@ -458,6 +470,12 @@ def tune_module(mod, spec, buckets, trials: int = DEFAULT_TRIALS, log_dir: str |
         f"{_fmt_time(time.perf_counter() - progress.start)}; log {log_dir}")
     _print_summary(summary, log)
     return summary
+
+
+def _tile_row_name(spec) -> str:
+    from schedules.cpu.microarch import tile_row
+
+    return tile_row(spec.tvm_target()).name
 
 
 def _is_interrupt(e: BaseException) -> bool:

@@ -1,0 +1,106 @@
+"""Register tiles per CPU microarchitecture, chosen from the target's ``-mcpu``.
+
+Two CPUs with the same ISA want different matmul tiles: AMD znver4 runs AVX-512 on two
+256-bit pipes (one 512-bit FMA per cycle), Intel server parts since skylake-avx512 have two
+512-bit FMA ports (two per cycle, from L1 and L2 that must then feed twice the bytes). The
+rules (:mod:`.gemm`, :mod:`.gemv`) read their tile candidates from the row of this table that
+matches the target's CPU; the tuner (tvm_llm/tune/rule_grid.py) measures every candidate of
+the row on the machine and records the winner in the tuning log, so a row that is only
+reasoned is corrected by measurement wherever such a CPU is at hand.
+
+Rows and where their figures come from:
+
+=================  ==========================================================  ============
+row                CPUs (LLVM names)                                           source
+=================  ==========================================================  ============
+zen4               znver4, znver5                                              measured
+intel-avx512-2fma  sapphirerapids, emeraldrapids, graniterapids, icelake-server,  reasoned
+                   cascadelake, cooperlake, skylake-avx512
+avx2               haswell, broadwell, skylake, alderlake, znver1-3, ...       reasoned
+neon               aarch64 (generic, neoverse-*, apple-*)                      reasoned
+=================  ==========================================================  ============
+
+* zen4, measured here (AMD EPYC znver4, 1 thread, scripts/bench_kernels.py, llama-110m/1b
+  shapes, n=128): packed GEMM 4x3 and 7x2 at 106-111 GFLOP/s (~95% of one 512-bit FMA per
+  cycle); row-major GEMV-rule prefill 3x4 80 GF/s, 2x6 74, 1x8 45; decode 1x8 at torch.sum's
+  bandwidth, 2x6 15% slower.
+* intel-avx512-2fma, reasoned (no such machine here): with two FMAs per cycle a 4x3 packed
+  tile streams 3 panel vectors (192 B) from L2 every 6 cycles, 32 B/cycle, about what those
+  L2s sustain; 7x2 needs 128 B per 7 cycles (18 B/cycle), so it comes first. For the row-major
+  prefill the 4x3 dot-product tile (4 x rows against 3 weight rows: 7 loads per 12 FMAs,
+  as 3x4) keeps more rows of x per loaded weight vector, and the x rows, not the weight, are
+  the L2 stream there. Decode is bandwidth-bound as everywhere: 1x8.
+* avx2 (16 ymm registers), reasoned: 6x2 packed (12 accumulators + 2 panel + 1 broadcast
+  register), 3x4 row-major prefill.
+* neon (32 q registers of 4 floats), reasoned: 6x4 / 8x3 packed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm.target import Target
+
+from . import common
+
+
+@dataclass(frozen=True)
+class TileRow:
+    """Tile candidates of one microarchitecture family, best first."""
+
+    name: str
+    cpus: tuple  # LLVM CPU names (exact) or prefixes ending in "*"
+    isa: str
+    gemm: tuple  # (Mr, Nv): rows of A x SIMD vectors of C, packed-panel GEMM
+    gemv_prefill: tuple  # (Mr, Nr): rows of x x rows of W, row-major dot products
+    gemv_decode: tuple  # (1, Nr)
+    measured: bool
+
+
+_DECODE = ((1, 8), (1, 4), (1, 2), (1, 1))
+
+ROWS = (
+    TileRow("zen4", ("znver4", "znver5"), "avx512",
+            gemm=((4, 3), (7, 2), (3, 4), (15, 1)),
+            gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),
+            gemv_decode=_DECODE, measured=True),
+    TileRow("intel-avx512-2fma",
+            ("sapphirerapids", "emeraldrapids", "graniterapids*", "icelake-server",
+             "cascadelake", "cooperlake", "skylake-avx512", "diamondrapids"), "avx512",
+            gemm=((7, 2), (4, 3), (14, 1), (3, 4)),
+            gemv_prefill=((4, 3), (3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),
+            gemv_decode=_DECODE, measured=False),
+    TileRow("avx512-other", ("*",), "avx512",  # client AVX-512 parts, unknown names
+            gemm=((4, 3), (7, 2), (3, 4), (15, 1)),
+            gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),
+            gemv_decode=_DECODE, measured=False),
+    TileRow("avx2", ("*",), "avx2",
+            gemm=((6, 2), (4, 3), (12, 1)),
+            gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),
+            gemv_decode=_DECODE, measured=False),
+    TileRow("neon", ("*",), "neon",
+            gemm=((6, 4), (8, 3), (12, 2)),
+            gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),
+            gemv_decode=_DECODE, measured=False),
+    TileRow("sse", ("*",), "*",
+            gemm=((4, 2), (8, 1)),
+            gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),
+            gemv_decode=_DECODE, measured=False),
+)
+
+
+def cpu_name(target: Target) -> str:
+    """The target's LLVM CPU name (``-mcpu``), "generic" when it names none."""
+    return str(target.attrs.get("mcpu", "") or "") or "generic"
+
+
+def _matches(pattern: str, cpu: str) -> bool:
+    return cpu.startswith(pattern[:-1]) if pattern.endswith("*") else cpu == pattern
+
+
+def tile_row(target: Target) -> TileRow:
+    """The table row for the target: its CPU name within its ISA, else the ISA's default."""
+    isa, cpu = common.vector_isa(target), cpu_name(target)
+    for row in ROWS:
+        if row.isa in (isa, "*") and any(_matches(p, cpu) for p in row.cpus):
+            return row
+    return ROWS[-1]

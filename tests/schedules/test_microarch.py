@@ -1,0 +1,66 @@
+"""The register-tile table of schedules/cpu/microarch.py is honoured per -mcpu: the same packed
+GEMM compiled for two CPU models differs in its assembly as the table says."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import tvm
+from tvm import relax
+
+from schedules.cpu import cpu_schedule_pass, microarch, workloads
+
+
+def _target(cpu):
+    return tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": cpu,
+                              "num-cores": 2})
+
+
+def packed_gemm_asm(cpu, K=256, N=1536):
+    """Assembly of one prefill linear over build-time packed weight panels (N divides by 48
+    and 32, so every tile of the table fits without a padded panel)."""
+    mod = workloads.linear_suite([dict(name="p", K=K, N=N, mode="prefill", epilogue=None)])
+    mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
+    target = _target(cpu)
+    with target:
+        mod = cpu_schedule_pass(None)(mod)
+    mod = relax.transform.SplitLayoutRewritePreproc()(mod)
+    return tvm.compile(mod, target=target).mod.imports[0].inspect_source("asm")
+
+
+def fma_stats(asm):
+    fmas = re.findall(r"\bvfmadd\w*ps\s+([^\n]*)", asm)
+    return (len(fmas), sum("zmm" in f for f in fmas), sum("ymm" in f for f in fmas),
+            len(re.findall(r"\bvbroadcastss\b", asm)))
+
+
+def test_rows_by_cpu_model():
+    assert microarch.tile_row(_target("znver4")).name == "zen4"
+    assert microarch.tile_row(_target("znver5")).name == "zen4"
+    for cpu in ("sapphirerapids", "icelake-server", "skylake-avx512"):
+        assert microarch.tile_row(_target(cpu)).name == "intel-avx512-2fma"
+    for cpu in ("haswell", "znver3"):
+        assert microarch.tile_row(_target(cpu)).name == "avx2"
+    arm = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]})
+    assert microarch.tile_row(arm).name == "neon"
+    assert microarch.tile_row(_target("znver4")).measured
+    assert not microarch.tile_row(_target("sapphirerapids")).measured
+
+
+@pytest.mark.parametrize("cpu,row", [("znver4", "zen4"), ("sapphirerapids", "intel-avx512-2fma"),
+                                     ("haswell", "avx2")])
+def test_assembly_follows_the_table(cpu, row):
+    """Per k step the micro-kernel broadcasts Mr scalars of A and issues Mr*Nv FMAs, so FMAs
+    per broadcast = Nv of the row's first tile: znver4 4x3 (3), sapphirerapids 7x2 (2), haswell
+    6x2 (2, on ymm: AVX2 has no zmm)."""
+    table = microarch.tile_row(_target(cpu))
+    assert table.name == row
+    mr, nv = table.gemm[0]
+    fmas, zmm, ymm, bcasts = fma_stats(packed_gemm_asm(cpu))
+    assert fmas > 0 and bcasts > 0
+    assert fmas == nv * bcasts, (cpu, fmas, bcasts)
+    if row == "avx2":
+        assert zmm == 0 and ymm == fmas
+    else:
+        assert zmm == fmas
+    assert (mr, nv) == {"zen4": (4, 3), "intel-avx512-2fma": (7, 2), "avx2": (6, 2)}[row]

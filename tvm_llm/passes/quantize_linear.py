@@ -116,10 +116,10 @@ class _Quantizer(PyExprMutator):
         if call.attrs.axis is not None and int(call.attrs.axis) != 0:
             return None
         N, K = int(shape[0]), int(shape[1])
-        names = self._source_names(table)
+        # a table the LM head multiplies too (tied) is stored twice: in the LM head's format and
+        # kernel layout, and in the embedding's format for the lookups (rows layout)
+        names = [n for n in self._source_names(table) if n != "lm_head.weight"]
         key = ",".join(names)
-        # (a table the LM head multiplies too is a separate parameter in our import: it has
-        # its own format, and the lookups read rows of this one)
         fmt = FLOAT if self.scheme.keeps_float(names) else self.scheme.plan.embedding_format(names)
         layout = "rows"
         if fmt == FLOAT or not get_format(fmt).applies_to(N, K):

@@ -101,6 +101,10 @@ class WeightFormat:
         x = w.reshape(N * NG, GROUP)
         wt = np.broadcast_to(imp.reshape(1, NG, GROUP), (N, NG, GROUP)).reshape(N * NG, GROUP)
         lo, hi = self.qrange
+        if self.kind == "sym" and self.bits == 8 and importance_is_uniform(imp):
+            q, d = _absmax_symmetric(x, hi)
+            return {"q": q.astype(np.int8).reshape(N, K),
+                    "d": d.astype(np.float16).reshape(N, NG)}
         if self.kind == "sym":
             q, d = _search_symmetric(x, wt, lo, hi)
             return {"q": q.astype(np.int8).reshape(N, K),
@@ -132,6 +136,19 @@ def _importance(importance, K: int) -> np.ndarray:
     mean = imp.mean()
     imp = imp / mean if mean > 0 else np.ones(K)
     return (imp + 1e-4).astype(np.float32)
+
+
+def importance_is_uniform(imp: np.ndarray) -> bool:
+    return bool(np.all(imp == imp[0]))
+
+
+def _absmax_symmetric(x, hi):
+    """q8_0 without importance: d = max|x| / 127 (float16), q = round(x / d). The error search
+    lowers the squared error but moves the largest weights, which cost more: measured on
+    SmolLM2-135M (LICENSE.txt, 8 x 256 tokens) absmax +0.2% perplexity, the search +0.9%."""
+    d = (np.abs(x).max(axis=1) / hi).astype(np.float16).astype(np.float32)
+    q = np.clip(np.round(x / np.where(d > 0, d, 1)[:, None]), -hi, hi)
+    return q.astype(np.float32), d
 
 
 def _search_symmetric(x, wt, lo, hi):

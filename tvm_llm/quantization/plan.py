@@ -55,7 +55,7 @@ class QuantPlan:
         listed = [self.formats[n] for n in names if n in self.formats]
         return max(listed, key=lambda f: (format_bits(f), f)) if listed else EMBEDDING_FORMAT
 
-    def importance_for(self, names: list, sizes: list | None = None):
+    def importance_for(self, names: list):
         """(K,) importance of a linear made of `names`, or None. The merged weights of q|k|v and
         gate|up share their input, so any of the names' importance applies to all."""
         for n in names:

@@ -1,0 +1,301 @@
+"""Weight formats: what each quantized format stores, and its numpy reference quantizer.
+
+Every format quantizes a weight (N, K) along K (the reduction axis) in groups of 32 weights:
+
+    q8_0  int8 q in [-127, 127], one float16 scale d per group:          w = d * q      (8.5 bits)
+    q4_0  4-bit q in [-8, 7], one float16 scale d per group:             w = d * q      (4.5 bits)
+    q4_1  4-bit q in [0, 15], float16 scale d and offset m per group:    w = d * q + m  (5.0 bits)
+    q4_k  4-bit q in [0, 15] in super-blocks of up to 8 groups (256 weights): each group has a
+          6-bit scale sc and a 6-bit minimum mn, each super-block two float16 super-scales:
+                                                                w = d * sc * q - dmin * mn  (4.5 bits)
+          (a K that is not a multiple of 256 uses the largest super-block of <= 8 groups that
+          divides it, e.g. 6 groups for K = 576, 4.54 bits)
+
+`quantize(w, importance)` chooses each group's scale (and minimum) by a small search that
+minimizes the importance-weighted squared rounding error sum_k imp[k] (w[n, k] - w_q[n, k])^2,
+imp[k] >= 0 one value per input channel (e.g. the mean of x_k^2 over a calibration text; None =
+uniform). The stored arrays returned here are canonical (one value per element, unpacked); the
+build packs exactly these into each kernel's layout (quantization/kernels.py), so what the
+compiled model computes with is `dequantize(quantize(w))` = `fake_quantize(w, fmt)`.
+
+Int8 activations (`--activations int8`) are quantized at run time with one scale per 32
+consecutive input features per token (ACTIVATION_BLOCK): `fake_quantize_activation` is their
+round trip, the same arithmetic as the kernels (x * (127 / max|x|), round half to even).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+GROUP = 32
+ACTIVATION_BLOCK = 32
+SUPER_GROUPS = 8  # q4_k: groups per super-block (256 weights) when K allows
+_ROW_CHUNK = 4096  # rows quantized at once (bounds the search's temporary memory)
+
+
+def super_groups(K: int) -> int:
+    """Groups per q4_k super-block for a weight with K input features."""
+    ng = K // GROUP
+    return next(s for s in range(SUPER_GROUPS, 0, -1) if ng % s == 0)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    name: str
+    kind: str  # "sym" (d * q), "asym" (d * q + m), "kquant" (d * sc * q - dmin * mn)
+    bits: int  # bits of each quantized weight
+    description: str = ""
+
+    # ---------------------------------------------------------------------------------------
+    def bits_per_weight(self, K: int | None = None) -> float:
+        """Stored bits per weight, scales and minimums included (K: input features, for q4_k
+        whose super-block depends on it; None = a multiple of 256)."""
+        if self.kind == "sym":
+            return self.bits + 16 / GROUP
+        if self.kind == "asym":
+            return self.bits + 32 / GROUP
+        s = SUPER_GROUPS if K is None else super_groups(K)
+        return self.bits + 12 / GROUP + 32 / (GROUP * s)
+
+    def applies_to(self, N: int, K: int) -> bool:
+        """Whether an (N, K) weight can be stored in this format (else it stays float)."""
+        return N >= 1 and K >= GROUP and K % GROUP == 0
+
+    @property
+    def qrange(self) -> tuple:
+        if self.kind == "sym":
+            return -(1 << (self.bits - 1)) + (self.bits == 8), (1 << (self.bits - 1)) - 1
+        return 0, (1 << self.bits) - 1
+
+    # ---------------------------------------------------------------------------------------
+    def quantize(self, w: np.ndarray, importance: np.ndarray | None = None) -> dict:
+        """Stored arrays of w (N, K) float32 (canonical layout, see the module docstring):
+        sym: q int8 (N, K), d float16 (N, K/32); asym: q uint8, d, m float16 (N, K/32);
+        kquant: q uint8 (N, K), sc, mn uint8 (N, K/32) in [0, 63], d, dmin float16 (N, K/256)."""
+        w = np.asarray(w, dtype=np.float32)
+        if w.ndim != 2 or not self.applies_to(*w.shape):
+            raise ValueError(f"{self.name}: weight of shape {w.shape} needs 2 dims and K % {GROUP} == 0")
+        N, K = w.shape
+        imp = _importance(importance, K)
+        parts = [self._quantize_rows(w[r:r + _ROW_CHUNK], imp) for r in range(0, N, _ROW_CHUNK)]
+        return {key: np.concatenate([p[key] for p in parts], axis=0) for key in parts[0]}
+
+    def dequantize(self, stored: dict) -> np.ndarray:
+        q = stored["q"]
+        N, K = q.shape
+        g = q.reshape(N, K // GROUP, GROUP).astype(np.float32)
+        if self.kind == "sym":
+            out = g * stored["d"].astype(np.float32)[..., None]
+        elif self.kind == "asym":
+            out = g * stored["d"].astype(np.float32)[..., None] + stored["m"].astype(np.float32)[..., None]
+        else:
+            scale, minimum = kquant_group_params(stored)
+            out = g * scale[..., None] - minimum[..., None]
+        return out.reshape(N, K).astype(np.float32)
+
+    # ---------------------------------------------------------------------------------------
+    def _quantize_rows(self, w: np.ndarray, imp: np.ndarray) -> dict:
+        N, K = w.shape
+        NG = K // GROUP
+        x = w.reshape(N * NG, GROUP)
+        wt = np.broadcast_to(imp.reshape(1, NG, GROUP), (N, NG, GROUP)).reshape(N * NG, GROUP)
+        lo, hi = self.qrange
+        if self.kind == "sym":
+            q, d = _search_symmetric(x, wt, lo, hi)
+            return {"q": q.astype(np.int8).reshape(N, K),
+                    "d": d.astype(np.float16).reshape(N, NG)}
+        q, d, m = _search_asymmetric(x, wt, hi, clamp_min=self.kind == "kquant")
+        if self.kind == "asym":
+            return {"q": q.astype(np.uint8).reshape(N, K), "d": d.astype(np.float16).reshape(N, NG),
+                    "m": m.astype(np.float16).reshape(N, NG)}
+        return _kquant_second_level(x, wt, d.reshape(N, NG), -m.reshape(N, NG), K, hi)
+
+
+def kquant_group_params(stored: dict):
+    """(scale, minimum) float32 (N, K/32) of a q4_k weight: w = scale * q - minimum."""
+    N, NG = stored["sc"].shape
+    S = NG // stored["d"].shape[1]
+    d = np.repeat(stored["d"].astype(np.float32), S, axis=1)
+    dmin = np.repeat(stored["dmin"].astype(np.float32), S, axis=1)
+    return d * stored["sc"].astype(np.float32), dmin * stored["mn"].astype(np.float32)
+
+
+def _importance(importance, K: int) -> np.ndarray:
+    """Per-input-channel weights of the squared error, normalized to mean 1, with a floor so
+    a group whose channels all have zero importance still gets a sensible (uniform) fit."""
+    if importance is None:
+        return np.ones(K, np.float32)
+    imp = np.asarray(importance, dtype=np.float64).reshape(-1)
+    if imp.shape != (K,) or not np.all(np.isfinite(imp)) or np.any(imp < 0):
+        raise ValueError(f"importance must be {K} finite values >= 0, got shape {imp.shape}")
+    mean = imp.mean()
+    imp = imp / mean if mean > 0 else np.ones(K)
+    return (imp + 1e-4).astype(np.float32)
+
+
+def _search_symmetric(x, wt, lo, hi):
+    """Per row of x (blocks, 32): q in [lo, hi] and scale d minimizing sum wt (x - d q)^2
+    over candidate inverse scales around the abs-max one (d refit by weighted least squares
+    for each candidate's rounding). Returns (q, d float16-exact float32)."""
+    amax_i = np.argmax(np.abs(x), axis=1)
+    mx = np.take_along_axis(x, amax_i[:, None], axis=1)[:, 0]  # signed largest magnitude
+    if lo == -hi:  # symmetric range: the sign of the largest weight does not matter
+        mx = np.abs(mx)
+    # the largest magnitude maps to the extreme level of its own sign side: lo for q4_0
+    # (-8 uses all 16 levels), +-hi for q8_0 (symmetric range)
+    nmax = np.float32(-lo) if lo != -hi else np.float32(hi)
+    best_err = np.full(x.shape[0], np.inf, np.float32)
+    best_q = np.zeros(x.shape, np.float32)
+    best_d = np.zeros(x.shape[0], np.float32)
+    steps = range(-9, 10) if hi < 127 else range(-4, 5)
+    safe = np.where(mx != 0, mx, 1).astype(np.float32)
+    sign = np.float32(-1) if lo != -hi else np.float32(1)
+    for i in steps:
+        iscale = sign * (nmax + np.float32(0.1 * i)) / safe
+        q = np.clip(np.round(x * iscale[:, None]), lo, hi)
+        sl2 = (wt * q * q).sum(axis=1)
+        d = np.where(sl2 > 0, (wt * x * q).sum(axis=1) / np.where(sl2 > 0, sl2, 1), 0)
+        d = d.astype(np.float16).astype(np.float32)
+        err = (wt * (x - d[:, None] * q) ** 2).sum(axis=1)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_q[better] = q[better]
+        best_d = np.where(better, d, best_d)
+    zero = mx == 0
+    best_q[zero] = 0
+    best_d[zero] = 0
+    return best_q, best_d
+
+
+def _search_asymmetric(x, wt, nmax, clamp_min: bool):
+    """Per row of x: q in [0, nmax], scale d >= 0 and offset m (<= 0 when clamp_min) minimizing
+    sum wt (x - (d q + m))^2: candidate scales around (max - min) / nmax, each rounding refit
+    by weighted least squares for (d, m). Returns (q, d, m) float32 (d, m not yet rounded)."""
+    xmin, xmax = x.min(axis=1), x.max(axis=1)
+    if clamp_min:
+        xmin = np.minimum(xmin, 0)
+    rng = xmax - xmin
+    safe = np.where(rng > 0, rng, 1).astype(np.float32)
+    sw = wt.sum(axis=1)
+    best_err = np.full(x.shape[0], np.inf, np.float32)
+    best_q = np.zeros(x.shape, np.float32)
+    best_d = np.zeros(x.shape[0], np.float32)
+    best_m = xmin.astype(np.float32).copy()
+    for i in [None] + list(range(0, 21)):
+        if i is None:  # the plain min/max grid
+            d, m = rng / nmax, xmin
+            q = np.clip(np.round((x - m[:, None]) / safe[:, None] * nmax), 0, nmax)
+        else:
+            iscale = (np.float32(-1 + 0.1 * i) + nmax) / safe
+            q = np.clip(np.round((x - xmin[:, None]) * iscale[:, None]), 0, nmax)
+            sl, sl2 = (wt * q).sum(axis=1), (wt * q * q).sum(axis=1)
+            sx, sxl = (wt * x).sum(axis=1), (wt * x * q).sum(axis=1)
+            det = sw * sl2 - sl * sl
+            ok = det > 0
+            det = np.where(ok, det, 1)
+            d = np.where(ok, (sw * sxl - sx * sl) / det, rng / nmax)
+            m = np.where(ok, (sl2 * sx - sl * sxl) / det, xmin)
+            if clamp_min:
+                pos = m > 0
+                d = np.where(pos, np.where(sl2 > 0, sxl / np.where(sl2 > 0, sl2, 1), 0), d)
+                m = np.where(pos, 0, m)
+            d = np.maximum(d, 0)
+        err = (wt * (x - (d[:, None] * q + m[:, None])) ** 2).sum(axis=1)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_q[better] = q[better]
+        best_d = np.where(better, d, best_d).astype(np.float32)
+        best_m = np.where(better, m, best_m).astype(np.float32)
+    flat = rng == 0  # constant group: q = 0, w = m
+    best_q[flat] = 0
+    best_d = np.where(flat, 0, best_d)
+    best_m = np.where(flat, x[:, 0] if not clamp_min else np.minimum(x[:, 0], 0), best_m)
+    if clamp_min:  # a constant positive group: represent it with the scale
+        pos = flat & (x[:, 0] > 0)
+        best_q[pos] = nmax
+        best_d = np.where(pos, x[:, 0] / nmax, best_d)
+    return best_q, best_d.astype(np.float32), best_m.astype(np.float32)
+
+
+def _kquant_second_level(x, wt, scale, minimum, K: int, nmax: int) -> dict:
+    """q4_k: the groups' float scales (N, NG) >= 0 and minimums (N, NG) >= 0 quantized to 6 bits
+    against one float16 super-scale each per super-block, then the weights re-rounded against
+    the quantized group parameters (minimizing the same weighted error per weight)."""
+    N, NG = scale.shape
+    S = super_groups(K)
+    NS = NG // S
+
+    def super_scale(v):
+        return (v.reshape(N, NS, S).max(axis=2) / 63).astype(np.float16)
+
+    d, dmin = super_scale(scale), super_scale(minimum)
+    dg = np.repeat(d.astype(np.float32), S, axis=1).reshape(-1)
+    mg = np.repeat(dmin.astype(np.float32), S, axis=1).reshape(-1)
+    sc0 = np.floor(scale.reshape(-1) / np.where(dg > 0, dg, 1))
+    mn0 = np.floor(minimum.reshape(-1) / np.where(mg > 0, mg, 1))
+    best = None
+    # each group picks the neighbouring 6-bit codes of its scale and minimum (floor or ceil
+    # of each) whose re-rounded weights have the least weighted error
+    for dsc in (0, 1):
+        for dmn in (0, 1):
+            sc = np.clip(sc0 + dsc, 0, 63)
+            mn = np.clip(mn0 + dmn, 0, 63)
+            s, m = (dg * sc)[:, None], (mg * mn)[:, None]
+            q = np.clip(np.where(s > 0, np.round((x + m) / np.where(s > 0, s, 1)), 0), 0, nmax)
+            err = (wt * (x - (s * q - m)) ** 2).sum(axis=1)
+            if best is None:
+                best = [err, sc, mn, q]
+                continue
+            better = err < best[0]
+            best[0] = np.where(better, err, best[0])
+            best[1] = np.where(better, sc, best[1])
+            best[2] = np.where(better, mn, best[2])
+            best[3][better] = q[better]
+    _, sc, mn, q = best
+    return {"q": q.astype(np.uint8).reshape(N, K), "sc": sc.astype(np.uint8).reshape(N, NG),
+            "mn": mn.astype(np.uint8).reshape(N, NG), "d": d, "dmin": dmin}
+
+
+FORMATS: dict = {f.name: f for f in (
+    WeightFormat("q8_0", "sym", 8, "int8, one float16 scale per 32 weights (8.5 bits/weight)"),
+    WeightFormat("q4_0", "sym", 4, "4-bit symmetric, one float16 scale per 32 (4.5 bits/weight)"),
+    WeightFormat("q4_1", "asym", 4, "4-bit, float16 scale and minimum per 32 (5.0 bits/weight)"),
+    WeightFormat("q4_k", "kquant", 4, "4-bit, 6-bit scale and minimum per 32, float16 super-scales "
+                                      "per 256 (4.5 bits/weight)"),
+)}
+
+
+def get_format(name: str) -> WeightFormat:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown weight format {name!r}: one of {', '.join(FORMATS)}") from None
+
+
+def fake_quantize(w: np.ndarray, fmt: str, importance: np.ndarray | None = None) -> np.ndarray:
+    """dequantize(quantize(w)): the weight a build computes with (for simulation)."""
+    f = get_format(fmt)
+    return f.dequantize(f.quantize(w, importance))
+
+
+def quantize_activation(x: np.ndarray):
+    """(q int8 (..., K), s float32 (..., K/32)): x ~= q * s block-wise; the kernels' arithmetic
+    (s = max|x| / 127 per block of 32, q = round_half_even(x * (127 / max|x|)))."""
+    x = np.asarray(x, dtype=np.float32)
+    K = x.shape[-1]
+    if K % ACTIVATION_BLOCK:
+        raise ValueError(f"int8 activations need K % {ACTIVATION_BLOCK} == 0, got K = {K}")
+    b = x.reshape(x.shape[:-1] + (K // ACTIVATION_BLOCK, ACTIVATION_BLOCK))
+    amax = np.abs(b).max(axis=-1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.round(b * inv[..., None]), -127, 127).astype(np.int8)
+    return q.reshape(x.shape), (amax / np.float32(127)).astype(np.float32)
+
+
+def fake_quantize_activation(x: np.ndarray) -> np.ndarray:
+    """x after the int8 round trip of the int8-activation kernels (per 32-block scales)."""
+    q, s = quantize_activation(x)
+    K = q.shape[-1]
+    b = q.reshape(q.shape[:-1] + (K // ACTIVATION_BLOCK, ACTIVATION_BLOCK)).astype(np.float32)
+    return (b * s[..., None]).reshape(q.shape).astype(np.float32)

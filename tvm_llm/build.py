@@ -60,13 +60,18 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
           prefill_chunk_size: int = 512, page_size: int = 16, kv_cache_tokens: int | None = None,
           max_memory=None, dump_ir: str | None = None, disabled_phases=(), log=print,
           tuning_log: str | None = None, quantization: str | None = None, group_size: int = 32,
-          activations: str | None = None, keep_float=None) -> dict:
+          activations: str | None = None, keep_float=None, calibration: str | None = None,
+          calibrate: str | None = None, bits_per_weight: float | None = None,
+          bits_count: str = "all") -> dict:
     """Compile the Hugging Face checkpoint in `model_dir` into `output_dir`; return the manifest.
     `tuning_log`: a MetaSchedule log directory (tvm-llm tune) whose kernels replace our
     default schedules; bad or foreign records are warned about and skipped.
     `quantization` "q8" | "q4" (group-wise symmetric weights, `group_size` per scale),
     `activations` "int8" for W8A8, `keep_float`: layer indices / weight-name globs left float
-    (see tvm_llm/quantization/scheme.py)."""
+    (see tvm_llm/quantization/scheme.py). `calibration` (a text file; None = the bundled one),
+    `calibrate` ("awq,importance" / "none") and `bits_per_weight` (the automatic mix's budget,
+    counted over `bits_count` "all" or "body") calibrate the quantization on the float model
+    before export (tvm_llm/quantization/calibration.py); calibration runs when any is given."""
     from .quantization import parse_scheme
     from .frontend import import_model, load_model, read_config, tokenizer_files
     from .passes.pipeline import run_pipeline
@@ -108,6 +113,14 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
 
     log(f"[tvm-llm] loading {model_dir} ({config.model_type}, {dtype})")
     model = load_model(model_dir, config, dtype)
+    calib_report = None
+    if scheme is not None and (calibration or calibrate or bits_per_weight is not None):
+        from .quantization.calibration import calibrate_for_build
+
+        scheme, calib_report = calibrate_for_build(model, model_dir, scheme, calibration, calibrate,
+                                                   bits_per_weight, bits_count, log=log)
+    elif calibration or calibrate or bits_per_weight is not None:
+        raise UserError("--calibration/--calibrate/--bits-per-weight need --quantization")
     if scheme is None:  # quantized weights are sized by the plan, after the passes
         planner.check_weights_fit(budget, sum(p.numel() for p in model.parameters())
                                   * kv_budget.dtype_bytes(dtype), spec.device_type)
@@ -128,7 +141,8 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
     tuning = next((ph.pop("tuning") for ph in report if "tuning" in ph), None)
     quant_report = next((ph.pop("quantization") for ph in report if "quantization" in ph), None)
     if scheme is not None:
-        quant_report = {**scheme.describe(), **(quant_report or {})}
+        quant_report = {**scheme.describe(), **(quant_report or {}),
+                        **({"calibration": calib_report} if calib_report else {})}
         log(f"[tvm-llm] quantized {len(quant_report.get('quantized', {}))} linear weights to "
             f"{scheme.tag}"
             + f", kept {len(quant_report.get('kept_float', {}))} float")

@@ -19,7 +19,9 @@ def _build(args) -> None:
           page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens,
           max_memory=args.max_memory, dump_ir=args.dump_ir, tuning_log=args.tuning_log,
           quantization=args.quantization, group_size=args.group_size,
-          activations=args.activations, keep_float=args.keep_float)
+          activations=args.activations, keep_float=args.keep_float,
+          calibration=args.calibration, calibrate=args.calibrate,
+          bits_per_weight=args.bits_per_weight, bits_count=args.bits_count)
 
 
 def _tune(args) -> None:
@@ -193,6 +195,19 @@ def make_parser() -> argparse.ArgumentParser:
                    help="comma list of what stays float under --quantization: decoder layer "
                         "indices (0,3) and/or weight-name globs (lm_head, *down_proj*); see "
                         "`tvm-llm sensitivity`")
+    b.add_argument("--calibration", default=None, metavar="FILE",
+                   help="calibrate the quantization on this text (default when calibrating: a "
+                        "text bundled with tvm_llm, Python's pydoc topics)")
+    b.add_argument("--calibrate", default=None, metavar="METHODS",
+                   help="comma list: awq (activation-aware channel scaling, SmoothQuant-style "
+                        "for int8 activations), importance (importance-weighted rounding), "
+                        "or none (default when calibrating: awq,importance)")
+    b.add_argument("--bits-per-weight", type=float, default=None, metavar="BITS",
+                   help="automatic mix: raise the most sensitive linears (by a calibration "
+                        "estimate) to 8 bits while the average stays within BITS")
+    b.add_argument("--bits-count", default="all", choices=("all", "body"),
+                   help="what --bits-per-weight averages over: all linears incl. the LM head "
+                        "(a tied embedding counted once, default) or the decoder layers only")
     b.set_defaults(func=_build)
 
     t = sub.add_parser("tune", help="tune the model's kernels with MetaSchedule into a log",

@@ -6,9 +6,10 @@ A benchmark reference only, never a dependency of tvm_llm: it needs `llama-cpp-p
 (built from its sdist, see INSTALL below) and, to convert a checkpoint, the llama.cpp
 conversion scripts that its sdist carries (found or fetched with pip, then kept under
 ~/.cache/tvm_llm/llamacpp/). GGUFs are cached under ~/.cache/tvm_llm/gguf/<ckpt>-<qtype>.gguf:
-the HF checkpoint is converted to F32 once, and Q8_0/Q4_0 (and F16) are made from that F32
-file with llama.cpp's own quantizer (`llama_model_quantize`, its default mix: for Q4_0 that
-keeps output.weight at Q6_K, as `llama-quantize` does).
+the HF checkpoint is converted to F32 once, and Q8_0/Q4_0/Q4_K_M (and F16) are made from that
+F32 file with llama.cpp's own quantizer (`llama_model_quantize`, its default mix: for Q4_0 that
+keeps output.weight at Q6_K, as `llama-quantize` does; Q4_K_M is its k-quant mix, which falls
+back to other types for tensors whose rows are not a multiple of 256).
 
 Timing matches scripts/bench.py: the same prompt (numpy rng(0) ids in [10, 1000)), prefill =
 the prompt's eval (last-token logits included), decode = `gen_len` single-token evals with a
@@ -41,9 +42,9 @@ INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF" MAKEFLAGS=-j2 CMAKE_BU
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tvm_llm")
 GGUF_DIR = os.path.join(CACHE, "gguf")
 SRC_DIR = os.path.join(CACHE, "llamacpp")  # sdists and the conversion scripts unpacked from them
-QTYPES = ("F32", "F16", "Q8_0", "Q4_0")
+QTYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K_M")
 _FTYPE = {"F16": "LLAMA_FTYPE_MOSTLY_F16", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
-          "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+          "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 
 
 def _log(msg: str) -> None:
@@ -199,7 +200,7 @@ def _quantize(src: str, out: str, qtype: str, threads: int) -> None:
 
 
 def gguf_path(ckpt_dir: str, qtype: str, threads: int | None = None) -> str:
-    """Cached GGUF of the HF checkpoint `ckpt_dir` at `qtype` (F32, F16, Q8_0 or Q4_0), made on
+    """Cached GGUF of the HF checkpoint `ckpt_dir` at `qtype` (F32, F16, Q8_0, Q4_0, Q4_K_M), made on
     first use: ~/.cache/tvm_llm/gguf/<basename>-<qtype>.gguf. A GGUF older than the checkpoint's
     weights is remade. Files are written to a temporary name and renamed."""
     qtype = qtype.upper()

@@ -18,10 +18,11 @@ Default text: Isaac Newton's *Opticks* (Project Gutenberg), which ships with apa
 dependency of tvm_llm) as tvm_ffi/3rdparty/libbacktrace/Isaac.Newton-Opticks.txt: English
 prose none of us wrote, disjoint from the calibration text (Python's pydoc topics).
 
-Bits per weight: stored bytes of every tensor but the embedding table (linears, their scales,
-the LM head; norms included, < 0.01 bit) over the number of linear weights incl. the LM head
-(a tied embedding counted once, as the head). llama.cpp: the same over its GGUF tensors
-(token_embd counted once for a tied model: it is the output matrix). Never a test: figures.
+Bits per weight, two ways: "all" = stored bytes of every tensor but the embedding lookup table
+(linears, their scales, the LM head; norms included, < 0.01 bit) over the linear weights incl.
+the LM head (a tied embedding counted once, as the head); "body" = the same without the LM head
+(decoder layers only). llama.cpp: the same over its GGUF tensors (token_embd is the head of a
+tied model). Never a test: figures.
 """
 from __future__ import annotations
 
@@ -76,66 +77,59 @@ def build(ckpt: str, spec: str, kw: dict, rebuild: bool, window: int) -> str:
     return out
 
 
-def linear_weight_count(ckpt: str) -> tuple:
-    """(weights of all 2-D tensors but a tied embedding's second use, embedding name, tied)."""
-    import json
+def _dims(ckpt: str) -> tuple:
+    """(vocab, hidden, linear weights incl. the head, linear weights of the decoder layers)."""
+    from transformers import AutoConfig
 
-    from safetensors import safe_open
-
-    with open(os.path.join(ckpt, "config.json")) as f:
-        cfg = json.load(f)
-    tied = bool(cfg.get("tie_word_embeddings", False))
-    total, emb = 0, None
-    for fn in sorted(os.listdir(ckpt)):
-        if not fn.endswith(".safetensors"):
-            continue
-        with safe_open(os.path.join(ckpt, fn), "np") as f:
-            for name in f.keys():
-                shape = f.get_slice(name).get_shape()
-                if len(shape) != 2:
-                    continue
-                if "embed_tokens" in name:
-                    emb = name
-                    if not tied:  # an untied embedding is a lookup table: not counted
-                        continue
-                total += math.prod(shape)
-    return total, emb, tied
+    cfg = AutoConfig.from_pretrained(ckpt).get_text_config()
+    V, H = cfg.vocab_size, cfg.hidden_size
+    L, I = cfg.num_hidden_layers, cfg.intermediate_size
+    D = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
+    kv = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * D
+    q = cfg.num_attention_heads * D
+    body = L * (H * (q + 2 * kv) + q * H + 3 * H * I)
+    return V, H, body + V * H, body
 
 
-def ours_bits_per_weight(out: str, ckpt: str) -> float:
-    """Stored bits of every tensor but the embedding table, over the linear weights (see the
-    module docstring); a tied head that the build reads from the float table counts as float."""
+def ours_bits_per_weight(out: str, ckpt: str) -> tuple:
+    """(bits per weight over all linears incl. the head, over the decoder layers only): stored
+    bytes of the build's tensors but the embedding lookup table, see the module docstring."""
     import json
 
     with open(os.path.join(out, "manifest.json")) as f:
         params = json.load(f)["params"]
-    n, emb, tied = linear_weight_count(ckpt)
-    emb_params = [p for p in params if p["name"] == emb]
-    rest = [p for p in params if p["name"] != emb]
-    bits = 8 * sum(p["nbytes"] for p in rest)
-    head_bits = 8 * sum(p["nbytes"] for p in emb_params)
-    vocab = emb_params[0]["shape"][0] if emb_params else 0
-    stores_head = any(p["shape"] and p["shape"][0] == vocab for p in rest) if vocab else True
-    if tied and not stores_head:
-        bits += head_bits
-    return bits / n
+    V, H, n_all, n_body = _dims(ckpt)
+    tables = [p for p in params if list(p["shape"]) == [V, H] and p["dtype"].startswith(("float", "bfloat"))]
+    heads = [p for p in params if p["shape"] and p["shape"][0] == V and p not in tables]
+    if not heads:  # the head reads a float table: count one of them as the head
+        heads, tables = tables[:1], tables[1:]
+    skip = {id(p) for p in tables}
+    head_bits = 8 * sum(p["nbytes"] for p in heads)
+    rest = 8 * sum(p["nbytes"] for p in params if id(p) not in skip and p not in heads)
+    return (rest + head_bits) / n_all, rest / n_body
 
 
-def llamacpp_bits_per_weight(gguf_path: str) -> float:
+def llamacpp_bits_per_weight(gguf_path: str) -> tuple:
+    """The same two figures over a GGUF's tensors (token_embd is the head of a tied model)."""
     import gguf
 
     r = gguf.GGUFReader(gguf_path)
     names = {t.name for t in r.tensors}
     tied = "output.weight" not in names
-    bits = n = 0
+    head = "token_embd.weight" if tied else "output.weight"
+    bits = {"all": 0, "body": 0}
+    n = {"all": 0, "body": 0}
     for t in r.tensors:
-        shape = [int(d) for d in t.shape if int(d) > 1]
         if t.name == "token_embd.weight" and not tied:
             continue
-        bits += 8 * int(t.n_bytes)
-        if len(shape) == 2:
-            n += math.prod(shape)
-    return bits / n
+        shape = [int(d) for d in t.shape]
+        size = math.prod(shape) if len(shape) == 2 else 0
+        for k in ("all", "body"):
+            if k == "body" and t.name in (head, "output_norm.weight"):
+                continue
+            bits[k] += 8 * int(t.n_bytes)
+            n[k] += size
+    return bits["all"] / n["all"], bits["body"] / n["body"]
 
 
 def llamacpp_perplexity(gguf_path: str, wins: list, threads: int) -> dict:
@@ -155,7 +149,6 @@ def llamacpp_perplexity(gguf_path: str, wins: list, threads: int) -> dict:
         total = 0.0
         for w in wins:
             llm.reset()
-            llm._ctx.kv_cache_clear() if hasattr(llm._ctx, "kv_cache_clear") else None
             llm.eval(w[:-1])
             logits = np.array(llm.scores[:W], dtype=np.float32)
             total += _nll(logits, np.asarray(w[1:]))
@@ -204,6 +197,10 @@ def main(argv=None) -> int:
                               args.max_windows)
         rows.append({"system": f"tvm_llm {label}", "ppl": r["perplexity"],
                      "bpw": ours_bits_per_weight(out, args.ckpt)})
+        q = Engine(out).manifest.get("quantization") or {}
+        if q.get("calibration"):
+            print(f"#   calibration: {q['calibration'].get('awq', '')} "
+                  f"{q['calibration'].get('mix', '')}", flush=True)
         print(f"# tvm_llm {label}: perplexity {r['perplexity']:.4f}", flush=True)
         if not args.no_speed:
             runners.append(bench.TvmRunner(out, args.threads, name=f"tvm_llm {label}"))
@@ -224,13 +221,13 @@ def main(argv=None) -> int:
     speed = bench.measure(runners, args.prompt_len, args.gen_len, args.repeats) if runners else {}
     base = {r["system"].split()[0]: r["ppl"] for r in rows
             if r["system"] in ("tvm_llm fp32", "llama.cpp F32")}
-    print(f"\n| system | perplexity | vs its fp32 | bits/weight | decode tok/s |")
+    print(f"\n| system | perplexity | vs its fp32 | bits/weight all (body) | decode tok/s |")
     print("|---|---|---|---|---|")
     for r in rows:
         ref = base.get(r["system"].split()[0])
         rel = f"{100 * (r['ppl'] / ref - 1):+.2f}%" if ref else "-"
         dec = speed.get(r["system"], {}).get("decode_tok_s")
-        print(f"| {r['system']} | {r['ppl']:.3f} | {rel} | {r['bpw']:.2f} | "
+        print(f"| {r['system']} | {r['ppl']:.3f} | {rel} | {r['bpw'][0]:.2f} ({r['bpw'][1]:.2f}) | "
               f"{'-' if dec is None else f'{dec:.1f}'} |")
     print(f"# decode: batch 1, prompt {args.prompt_len}, {args.gen_len} tokens, median of "
           f"{args.repeats}, interleaved; bits/weight counted as in the script's docstring")

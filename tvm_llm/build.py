@@ -62,7 +62,7 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
           tuning_log: str | None = None, quantization: str | None = None, group_size: int = 32,
           activations: str | None = None, keep_float=None, calibration: str | None = None,
           calibrate: str | None = None, bits_per_weight: float | None = None,
-          bits_count: str = "all") -> dict:
+          bits_count: str = "body") -> dict:
     """Compile the Hugging Face checkpoint in `model_dir` into `output_dir`; return the manifest.
     `tuning_log`: a MetaSchedule log directory (tvm-llm tune) whose kernels replace our
     default schedules; bad or foreign records are warned about and skipped.

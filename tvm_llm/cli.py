@@ -205,9 +205,10 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--bits-per-weight", type=float, default=None, metavar="BITS",
                    help="automatic mix: raise the most sensitive linears (by a calibration "
                         "estimate) to 8 bits while the average stays within BITS")
-    b.add_argument("--bits-count", default="all", choices=("all", "body"),
-                   help="what --bits-per-weight averages over: all linears incl. the LM head "
-                        "(a tied embedding counted once, default) or the decoder layers only")
+    b.add_argument("--bits-count", default="body", choices=("all", "body"),
+                   help="what --bits-per-weight averages over: the decoder layers' linears "
+                        "(default; the LM head then gets 8 bits) or all linears incl. the LM "
+                        "head (a tied embedding counted once); the report prints both")
     b.set_defaults(func=_build)
 
     t = sub.add_parser("tune", help="tune the model's kernels with MetaSchedule into a log",

@@ -332,7 +332,7 @@ def summarize(report: dict) -> str:
 # ------------------------------------------------------------------------------ the build hook
 
 METHODS = ("awq", "importance")
-DEFAULT_WINDOWS = 8  # 256-token windows of the calibration text (2048 tokens)
+DEFAULT_WINDOWS = 4  # 256-token windows of the calibration text (1024 tokens)
 MIX_CANDIDATES = ("q8_0",)  # formats a unit may be raised to from the plan's default
 
 
@@ -381,7 +381,7 @@ def _plan_quantizers(plan):
 
 
 def calibrate_for_build(model, model_dir: str, quant, text_path: str | None = None, methods=None,
-                        bits_per_weight: float | None = None, count: str = "all",
+                        bits_per_weight: float | None = None, count: str = "body",
                         windows: int = DEFAULT_WINDOWS, log=print):
     """Calibrate the float transformers `model` in place before export and return
     (quantization, report): AWQ-style scales folded into the weights ("awq"), importance for
@@ -389,8 +389,15 @@ def calibrate_for_build(model, model_dir: str, quant, text_path: str | None = No
     build's QuantPlan (or a legacy QuantScheme: then only "awq" applies, nothing else changes)."""
     import time
 
+    from dataclasses import replace
+
     from .scheme import QuantScheme
 
+    if isinstance(quant, QuantScheme) and getattr(quant, "plan", None) is not None:
+        # a scheme that carries its QuantPlan: calibrate the plan, keep the rest
+        plan, report = calibrate_for_build(model, model_dir, quant.plan, text_path, methods,
+                                           bits_per_weight, count, windows, log)
+        return replace(quant, plan=plan), report
     methods = parse_methods(methods)
     legacy = isinstance(quant, QuantScheme)
     if not methods and bits_per_weight is None:
@@ -412,8 +419,6 @@ def calibrate_for_build(model, model_dir: str, quant, text_path: str | None = No
     if legacy:
         report["seconds"] = round(time.perf_counter() - t0, 1)
         return quant, report
-    from dataclasses import replace
-
     from . import mix
     from .sensitivity import fisher_units
 

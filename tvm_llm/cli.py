@@ -12,6 +12,12 @@ DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "de
 
 def _build(args) -> None:
     from .build import build
+    from .quantization.calibration import CLI_DEFAULTS
+
+    if args.calibrate != "none" and args.calibration is None and args.bits_per_weight is None:
+        # `--quantization q4` means our best mix (README: Calibration and the automatic mix)
+        for key, value in CLI_DEFAULTS.get(args.quantization, {}).items():
+            setattr(args, key, value)
 
     build(args.model_dir, args.output, target=args.target, arch=args.arch, dtype=args.dtype,
           force=args.force, emit_source=args.emit_source, context_window=args.context_window,

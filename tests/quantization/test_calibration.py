@@ -131,3 +131,20 @@ def test_real_model_default_q4_meets_the_quality_target(tmp_path):
             assert m["quantization"]["calibration"]["bits_per_weight"]["body"] <= 4.6
         ppl[name] = engine_perplexity(Engine(out), text, 256, 8)["perplexity"]
     assert ppl["q4"] <= 1.05 * ppl["fp32"], ppl
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--calibrate", "gptq"), "unknown --calibrate method 'gptq'"),
+    (("--calibration", "/nonexistent/calib.txt"), "calibration text not found"),
+    (("--bits-per-weight", "3"), "below the cheapest mix"),
+])
+def test_bad_calibration_options_are_one_line_errors(checkpoint, tmp_path, capsys, args, message):
+    import os
+
+    from tvm_llm.cli import main
+
+    out = tmp_path / "out"
+    code = main(["build", checkpoint("llama"), "-o", str(out), "--quantization", "q4", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and message in err[-1] and err[-1].startswith("tvm-llm: error:")
+    assert not os.path.exists(out)

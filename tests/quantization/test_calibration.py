@@ -86,13 +86,13 @@ def test_calibrated_build_equals_its_simulation(checkpoint, tmp_path):
 
     out = str(tmp_path / "out")
     m = tvm_llm.build(checkpoint("llama"), out, max_batch_size=2, prefill_chunk_size=64,
-                      quantization="q4", calibrate="awq", log=lambda *a: None)
+                      quantization="q4", activations="float", calibrate="awq", log=lambda *a: None)
     assert "linear groups scaled" in m["quantization"]["calibration"]["awq"]
     eng = Engine(out)
     sid = eng.cache.add()
     n = len(PROMPT)
     got = eng.prefill_positions([sid], [n], np.array([PROMPT]), np.arange(n)[None], np.arange(n))[0]
-    scheme = parse_scheme("q4")
+    scheme = parse_scheme("q4", activations="float")
     from tvm_llm.frontend import load_model, read_config
 
     # the model as the build loads it: calibration statistics are float-order sensitive

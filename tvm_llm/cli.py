@@ -17,7 +17,8 @@ def _build(args) -> None:
     if args.calibrate != "none" and args.calibration is None and args.bits_per_weight is None:
         # `--quantization q4` means our best mix (README: Calibration and the automatic mix)
         for key, value in CLI_DEFAULTS.get(args.quantization, {}).items():
-            setattr(args, key, value)
+            if getattr(args, key) is None:
+                setattr(args, key, value)
 
     build(args.model_dir, args.output, target=args.target, arch=args.arch, dtype=args.dtype,
           force=args.force, emit_source=args.emit_source, context_window=args.context_window,

@@ -6,6 +6,11 @@ is simulated inside transformers with the exact rounding of the build (scheme.fa
 the compiled kernels compute with the same dequantized values; W8A8 also rounds each linear's
 input per token), so a sweep over every layer costs one float forward per layer, not a build.
 The units with the largest loss are the candidates for `--keep-float`.
+
+For QuantPlans (formats.py): `SimulatedPlan` is the same simulation with each weight in its
+plan format (and per-32-block int8 activation rounding), and `fisher_units` the cheap estimate
+the automatic mix (mix.py) uses instead of one forward per unit: a diagonal-Fisher loss
+increase per stored matrix from one calibration pass with gradients.
 """
 from __future__ import annotations
 

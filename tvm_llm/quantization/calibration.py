@@ -239,6 +239,18 @@ def fast_round_trip(w: np.ndarray, fmt: str) -> np.ndarray:
     if f.kind == "kquant":
         mn = np.minimum(mn, 0)
     d = (g.max(axis=-1, keepdims=True) - mn) / nmax
+    if f.kind == "kquant":  # the group scales and minimums on their 6-bit super-block grids
+        from .formats import super_groups
+
+        S, NG = super_groups(K), K // GROUP
+
+        def six_bit(v):
+            v = v.reshape(N, NG // S, S)
+            sup = (v.max(axis=2, keepdims=True) / 63).astype(np.float16).astype(np.float32)
+            code = np.clip(np.round(v / np.where(sup > 0, sup, 1)), 0, 63)
+            return (code * sup).reshape(N, NG, 1)
+
+        d, mn = six_bit(d), -six_bit(-mn)
     q = np.clip(np.round((g - mn) / np.where(d > 0, d, 1)), 0, nmax)
     return (q * d + mn).reshape(N, K)
 

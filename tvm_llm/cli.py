@@ -208,7 +208,7 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--calibrate", default=None, metavar="METHODS",
                    help="comma list: awq (activation-aware channel scaling, SmoothQuant-style "
                         "for int8 activations), importance (importance-weighted rounding), "
-                        "or none (default when calibrating: awq,importance)")
+                        "or none (default when calibrating: awq)")
     b.add_argument("--bits-per-weight", type=float, default=None, metavar="BITS",
                    help="automatic mix: raise the most sensitive linears (by a calibration "
                         "estimate) to 8 bits while the average stays within BITS")

@@ -97,16 +97,29 @@ def ours_bits_per_weight(out: str, ckpt: str) -> tuple:
     import json
 
     with open(os.path.join(out, "manifest.json")) as f:
-        params = json.load(f)["params"]
+        manifest = json.load(f)
+    params = manifest["params"]
     V, H, n_all, n_body = _dims(ckpt)
     tables = [p for p in params if list(p["shape"]) == [V, H] and p["dtype"].startswith(("float", "bfloat"))]
-    heads = [p for p in params if p["shape"] and p["shape"][0] == V and p not in tables]
-    if not heads:  # the head reads a float table: count one of them as the head
-        heads, tables = tables[:1], tables[1:]
+    quantized = (manifest.get("quantization") or {}).get("quantized") or {}
+    head_quantized = any("lm_head" in k or "embed_tokens" in k for k in quantized)
+    if not head_quantized:  # the head reads a float table: count one of them as the head
+        tables = tables[1:]
     skip = {id(p) for p in tables}
-    head_bits = 8 * sum(p["nbytes"] for p in heads)
-    rest = 8 * sum(p["nbytes"] for p in params if id(p) not in skip and p not in heads)
-    return (rest + head_bits) / n_all, rest / n_body
+    total = 8 * sum(p["nbytes"] for p in params if id(p) not in skip)
+    if head_quantized:  # the head's packed tensors: those the body count cannot explain
+        head = n_all - n_body
+        fmt = next(v for k, v in quantized.items() if "lm_head" in k or "embed_tokens" in k)
+        from tvm_llm.quantization.scheme import packed_shapes  # noqa: the format work's layouts
+        from tvm_llm.quantization.formats import get_format
+        import numpy as np
+
+        layout = "vnni" if fmt.get("activations") == "int8" else "rows"
+        head_bits = 8 * sum(int(np.prod(sh)) * np.dtype(dt).itemsize for sh, dt in
+                            packed_shapes(get_format(fmt["format"]), V, H, layout))
+    else:
+        head_bits = 32 * V * H
+    return total / n_all, (total - head_bits) / n_body
 
 
 def llamacpp_bits_per_weight(gguf_path: str) -> tuple:

@@ -107,16 +107,20 @@ def ours_bits_per_weight(out: str, ckpt: str) -> tuple:
         tables = tables[1:]
     skip = {id(p) for p in tables}
     total = 8 * sum(p["nbytes"] for p in params if id(p) not in skip)
-    if head_quantized:  # the head's packed tensors: those the body count cannot explain
-        head = n_all - n_body
+    if head_quantized:  # the head's packed tensors, from the format's kernel layout
         fmt = next(v for k, v in quantized.items() if "lm_head" in k or "embed_tokens" in k)
-        from tvm_llm.quantization.scheme import packed_shapes  # noqa: the format work's layouts
-        from tvm_llm.quantization.formats import get_format
-        import numpy as np
+        try:
+            import numpy as np
 
-        layout = "vnni" if fmt.get("activations") == "int8" else "rows"
-        head_bits = 8 * sum(int(np.prod(sh)) * np.dtype(dt).itemsize for sh, dt in
-                            packed_shapes(get_format(fmt["format"]), V, H, layout))
+            from tvm_llm.quantization.formats import get_format
+            from tvm_llm.quantization.scheme import packed_shapes
+
+            layout = "vnni" if fmt.get("activations") == "int8" else "rows"
+            head_bits = 8 * sum(int(np.prod(sh)) * np.dtype(dt).itemsize for sh, dt in
+                                packed_shapes(get_format(fmt["format"]), V, H, layout))
+        except (ImportError, KeyError, TypeError):  # older builds: tensors led by the vocabulary
+            head_bits = 8 * sum(p["nbytes"] for p in params
+                                if p["shape"] and p["shape"][0] == V and id(p) not in skip)
     else:
         head_bits = 32 * V * H
     return total / n_all, (total - head_bits) / n_body

@@ -7,7 +7,7 @@ setup(
     description="Compile Hugging Face LLM checkpoints into tuned native TVM modules (CPU, CUDA, ROCm).",
     python_requires=">=3.10",
     packages=find_packages(include=["tvm_llm", "tvm_llm.*", "schedules", "schedules.*"]),
-    package_data={"tvm_llm": ["default_model/*"]},
+    package_data={"tvm_llm": ["default_model/*", "quantization/calibration.txt"]},
     include_package_data=True,
     install_requires=[
         "apache-tvm==0.27.0.post1",

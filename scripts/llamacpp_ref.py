@@ -6,9 +6,10 @@ A benchmark reference only, never a dependency of tvm_llm: it needs `llama-cpp-p
 (built from its sdist, see INSTALL below) and, to convert a checkpoint, the llama.cpp
 conversion scripts that its sdist carries (found or fetched with pip, then kept under
 ~/.cache/tvm_llm/llamacpp/). GGUFs are cached under ~/.cache/tvm_llm/gguf/<ckpt>-<qtype>.gguf:
-the HF checkpoint is converted to F32 once, and Q8_0/Q4_0/Q4_K_M (and F16) are made from that F32
-file with llama.cpp's own quantizer (`llama_model_quantize`, its default mix: for Q4_0 that
-keeps output.weight at Q6_K, as `llama-quantize` does).
+the HF checkpoint is converted to F32 once, and Q8_0/Q4_0/Q4_K_M (and F16) are made from that
+F32 file with llama.cpp's own quantizer (`llama_model_quantize`, its default mix: for Q4_0 that
+keeps output.weight at Q6_K, as `llama-quantize` does; Q4_K_M is its k-quant mix, which falls
+back to other types for tensors whose rows are not a multiple of 256).
 
 Timing matches scripts/bench.py: the same prompt (numpy rng(0) ids in [10, 1000)), prefill =
 the prompt's eval (last-token logits included), decode = `gen_len` single-token evals with a
@@ -199,7 +200,7 @@ def _quantize(src: str, out: str, qtype: str, threads: int) -> None:
 
 
 def gguf_path(ckpt_dir: str, qtype: str, threads: int | None = None) -> str:
-    """Cached GGUF of the HF checkpoint `ckpt_dir` at `qtype` (F32, F16, Q8_0, Q4_0 or Q4_K_M), made on
+    """Cached GGUF of the HF checkpoint `ckpt_dir` at `qtype` (F32, F16, Q8_0, Q4_0, Q4_K_M), made on
     first use: ~/.cache/tvm_llm/gguf/<basename>-<qtype>.gguf. A GGUF older than the checkpoint's
     weights is remade. Files are written to a temporary name and renamed."""
     qtype = qtype.upper()

@@ -104,7 +104,9 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
           prefill_chunk_size: int = 512, page_size: int = 16, kv_cache_tokens: int | None = None,
           max_memory=None, dump_ir: str | None = None, disabled_phases=(), log=print,
           tuning_log: str | None = None, quantization: str | None = None, group_size: int = 32,
-          activations: str | None = None, keep_float=None, quant_plan=None) -> dict:
+          activations: str | None = None, keep_float=None, quant_plan=None,
+          calibration: str | None = None, calibrate: str | None = None,
+          bits_per_weight: float | None = None, bits_count: str = "body") -> dict:
     """Compile the Hugging Face checkpoint in `model_dir` into `output_dir`; return the manifest.
     `tuning_log`: a MetaSchedule log directory (tvm-llm tune) whose kernels replace our
     default schedules; bad or foreign records are warned about and skipped.
@@ -112,7 +114,10 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
     `activations` "int8" / "float" (unset: int8 for q8 / q4 where the target has int8 dot
     products), `keep_float`: layer indices / weight-name globs left float, `quant_plan`: a
     quantization.plan.QuantPlan (per-weight formats, importance) replacing the plain one
-    (see tvm_llm/quantization/scheme.py)."""
+    (see tvm_llm/quantization/scheme.py). `calibration` (a text file; None = the bundled one),
+    `calibrate` ("awq,importance" / "none") and `bits_per_weight` (the automatic mix's budget,
+    counted over `bits_count` "all" or "body") calibrate the quantization on the float model
+    before export (tvm_llm/quantization/calibration.py); calibration runs when any is given."""
     from .quantization import parse_scheme
     from .frontend import import_model, load_model, nonfinite_weights, read_config, tokenizer_files
     from .passes.pipeline import run_pipeline
@@ -169,6 +174,14 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
         warnings.warn(NonFiniteWarning(
             f"{model_dir}: weight {nonfinite[0]}{more} holds NaN or Inf; the build's outputs "
             "will not be finite (re-download or fix the checkpoint)"), stacklevel=2)
+    calib_report = None
+    if scheme is not None and (calibration or calibrate or bits_per_weight is not None):
+        from .quantization.calibration import calibrate_for_build
+
+        scheme, calib_report = calibrate_for_build(model, model_dir, scheme, calibration, calibrate,
+                                                   bits_per_weight, bits_count, log=log)
+    elif calibration or calibrate or bits_per_weight is not None:
+        raise UserError("--calibration/--calibrate/--bits-per-weight need --quantization")
     if scheme is None:  # quantized weights are sized by the plan, after the passes
         planner.check_weights_fit(budget, sum(p.numel() for p in model.parameters())
                                   * kv_budget.dtype_bytes(dtype), spec.device_type)
@@ -191,7 +204,8 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
     if scheme is not None:
         from .quantization.report import summarize
 
-        quant_report = {**scheme.describe(), **(quant_report or {})}
+        quant_report = {**scheme.describe(), **(quant_report or {}),
+                        **({"calibration": calib_report} if calib_report else {})}
         quant_report.update(summarize(quant_report))
         log(f"[tvm-llm] quantized {len(quant_report.get('quantized', {}))} weights "
             f"({', '.join(f'{k}: {v}' for k, v in quant_report['format_counts'].items())}), "

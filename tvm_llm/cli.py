@@ -13,6 +13,13 @@ DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "de
 
 def _build(args) -> None:
     from .build import build
+    from .quantization.calibration import CLI_DEFAULTS
+
+    if args.calibrate != "none" and args.calibration is None and args.bits_per_weight is None:
+        # `--quantization q4` means our best mix (README: Calibration and the automatic mix)
+        for key, value in CLI_DEFAULTS.get(args.quantization, {}).items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
 
     build(args.model_dir, args.output, target=args.target, arch=args.arch, dtype=args.dtype,
           force=args.force, emit_source=args.emit_source, context_window=args.context_window,
@@ -20,7 +27,9 @@ def _build(args) -> None:
           page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens,
           max_memory=args.max_memory, dump_ir=args.dump_ir, tuning_log=args.tuning_log,
           quantization=args.quantization, group_size=args.group_size,
-          activations=args.activations, keep_float=args.keep_float)
+          activations=args.activations, keep_float=args.keep_float,
+          calibration=args.calibration, calibrate=args.calibrate,
+          bits_per_weight=args.bits_per_weight, bits_count=args.bits_count)
 
 
 def _tune(args) -> None:
@@ -179,6 +188,7 @@ _top_p = _number(float, 0.0, 1.0, lo_open=True, what="a probability in (0, 1]")
 _cosine = _number(float, -1.0, 1.0, what="a cosine in [-1, 1]")
 _fraction = _number(float, 0.0, 1.0, what="a fraction in [0, 1]")
 _page_size = _number(int, 1, MAX_INT, what="a power of two from 8 to 128")
+_bits_per_weight = _number(float, 1.0, 32.0, what="bits per weight in [1, 32]")
 
 
 def _text_arg(text: str) -> str:
@@ -261,6 +271,20 @@ def make_parser() -> argparse.ArgumentParser:
                    help="comma list of what stays float under --quantization: decoder layer "
                         "indices (0,3) and/or weight-name globs (lm_head, *down_proj*); see "
                         "`tvm-llm sensitivity`")
+    b.add_argument("--calibration", default=None, metavar="FILE",
+                   help="calibrate the quantization on this text (default when calibrating: a "
+                        "text bundled with tvm_llm, Python's pydoc topics)")
+    b.add_argument("--calibrate", default=None, metavar="METHODS",
+                   help="comma list: awq (activation-aware channel scaling, SmoothQuant-style "
+                        "for int8 activations), importance (importance-weighted rounding), "
+                        "or none (default when calibrating: awq)")
+    b.add_argument("--bits-per-weight", type=_bits_per_weight, default=None, metavar="BITS",
+                   help="automatic mix: raise the most sensitive linears (by a calibration "
+                        "estimate) to 8 bits while the average stays within BITS")
+    b.add_argument("--bits-count", default="body", choices=("all", "body"),
+                   help="what --bits-per-weight averages over: the decoder layers' linears "
+                        "(default; the LM head then gets 8 bits) or all linears incl. the LM "
+                        "head (a tied embedding counted once); the report prints both")
     b.set_defaults(func=_build)
 
     t = sub.add_parser("tune", help="tune the model's kernels with MetaSchedule into a log",

@@ -1,0 +1,506 @@
+"""Calibration at build time: what a calibration text tells the quantizer about activations.
+
+One float forward over a few windows of the calibration text records, for the input of every
+linear of the decoder layers, per input channel: mean |x|, mean x^2, max |x|, and an evenly
+spaced sample of input rows. Three uses:
+
+* importance (imatrix-style): mean x^2 per input channel is the weight of each column's
+  rounding error in the linear's expected output error, E||(W - Wq) x||^2 ~ sum_k E[x_k^2]
+  ||W[:, k] - Wq[:, k]||^2 (diagonal approximation). It is handed to the format quantizer
+  through QuantPlan.importance.
+* activation-aware scaling (AWQ-style): for each group of linears that share an input
+  (q|k|v, gate|up, o, down) a per-input-channel scale s = mean|x|^alpha (normalized) is
+  searched over a small alpha grid to minimize || X W^T - Q_x(X / s) Q_w(W * s)^T ||^2 on the
+  sampled rows (Q_w the build's weight rounding, Q_x the int8 activation rounding for W8A8 /
+  W4A8, identity otherwise). alpha = 0 (no scaling) is in the grid, so the chosen scale never
+  does worse on the sample. The inverse 1/s is folded into the op that produces the input,
+  so the float model computes the same function:
+      q|k|v   <- input_layernorm weight          gate|up <- post_attention_layernorm weight
+      o_proj  <- v_proj rows (one scale per KV head dim, shared by the query heads of a group)
+      down    <- up_proj rows (silu(gate) * up is linear in up)
+* SmoothQuant-style migration for the int8-activation paths: the same search with a second
+  family of candidates, s = max|x|^a / max|W col|^(1 - a), which moves activation outliers into
+  the weights; the activation rounding is part of the objective, so the better family wins.
+
+Everything is deterministic: fixed windows, fixed row sample, numpy in float64 where summed.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import UserError
+
+DEFAULT_CALIBRATION = os.path.join(os.path.dirname(__file__), "calibration.txt")
+ALPHAS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # 0 = unscaled
+SAMPLE_ROWS = 512  # input rows kept per linear for the scale search
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|layer|blocks)\.(\d+)\.")
+
+
+def read_calibration(path: str | None) -> str:
+    path = path or DEFAULT_CALIBRATION
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: calibration text not found; pass --calibration FILE")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if not text.strip():
+        raise UserError(f"{path}: calibration text is empty; pass a text file with prose")
+    return text
+
+
+@dataclass
+class InputStats:
+    """Per-input-channel statistics of one linear's input over the calibration tokens."""
+    mean_abs: np.ndarray
+    mean_sq: np.ndarray
+    max_abs: np.ndarray
+    sample: np.ndarray  # (rows, K) float32, evenly spaced over all tokens
+    tokens: int
+
+    def scaled(self, s: np.ndarray) -> "InputStats":
+        """The statistics of x / s (after a folded channel scaling)."""
+        return InputStats(self.mean_abs / s, self.mean_sq / (s * s), self.max_abs / s,
+                          (self.sample / s).astype(np.float32), self.tokens)
+
+
+@dataclass
+class Calibration:
+    """Statistics per linear module name (e.g. "model.layers.3.self_attn.q_proj")."""
+    stats: dict
+    tokens: int
+    out_grad_sq: dict = field(default_factory=dict)  # name -> (N,) mean squared loss gradient
+    scales: dict = field(default_factory=dict)  # group label -> chosen scaling, for the report
+
+    def importance(self) -> dict:
+        """checkpoint weight name -> (K,) mean x^2 (what QuantPlan.importance takes)."""
+        return {f"{name}.weight": st.mean_sq.astype(np.float32) for name, st in self.stats.items()}
+
+
+def token_windows(model_dir: str, text: str, window: int, max_windows: int) -> list:
+    from tokenizers import Tokenizer
+
+    from ..perplexity import windows
+
+    ids = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json")).encode(text).ids
+    wins = windows(ids, window, max_windows)
+    if not wins:
+        raise UserError(f"the calibration text has {len(ids)} tokens, fewer than one window of "
+                        f"{window}; pass a longer --calibration text")
+    return wins  # window + 1 tokens: inputs w[:-1], next-token targets w[1:]
+
+
+def _linears(model) -> dict:
+    """module name -> nn.Linear for every linear (decoder layers and the LM head)."""
+    import torch
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def collect(model, windows: list, sample_rows: int = SAMPLE_ROWS, gradients: bool = False) -> Calibration:
+    """Run the float model over `windows` (window + 1 token ids each) and record every linear's
+    input statistics. Linears fed the same tensor (q|k|v, gate|up) share one record. With
+    `gradients`, also the mean squared gradient of the summed next-token loss at each linear's
+    output (one backward per window; no weight gradients are formed)."""
+    import torch
+
+    linears = _linears(model)
+    acc: dict = {}
+    grads: dict = {}
+    alias: dict = {}  # linear name -> name of the linear whose record it shares
+    last = {"x": None, "name": None}
+    per_window = -(-sample_rows // len(windows))
+
+    def hook(name):
+        def fn(_mod, args):
+            x0 = args[0]
+            if x0 is last["x"]:
+                alias[name] = last["name"]
+                return
+            last["x"], last["name"] = x0, name
+            x = x0.detach().reshape(-1, x0.shape[-1]).double()
+            a = acc.setdefault(name, [0.0, 0.0, torch.zeros(x.shape[-1], dtype=x.dtype), []])
+            a[0] = a[0] + x.abs().sum(0)
+            a[1] = a[1] + (x * x).sum(0)
+            a[2] = torch.maximum(a[2], x.abs().amax(0))
+            pick = torch.from_numpy(np.linspace(0, len(x) - 1, min(per_window, len(x))).round()
+                                    .astype(np.int64))
+            a[3].append(x[pick].float())
+        return fn
+
+    def grad_hook(name):
+        def fn(_mod, _grad_in, grad_out):
+            g = grad_out[0].detach().reshape(-1, grad_out[0].shape[-1]).double()
+            grads[name] = grads.get(name, 0.0) + (g * g).sum(0)
+        return fn
+
+    hooks = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+    if gradients:
+        hooks += [m.register_full_backward_hook(grad_hook(n)) for n, m in linears.items()]
+    requires = [p.requires_grad for p in model.parameters()]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    try:
+        for w in windows:
+            last["x"] = None
+            ids = torch.tensor([w[:-1]])
+            if not gradients:
+                with torch.no_grad():
+                    model(ids)
+                continue
+            emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+            logits = model(inputs_embeds=emb).logits[0].float()
+            loss = torch.nn.functional.cross_entropy(logits, torch.tensor(w[1:]), reduction="sum")
+            loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+        for p, r in zip(model.parameters(), requires):
+            p.requires_grad_(r)
+    tokens = sum(len(w) - 1 for w in windows)
+    stats = {}
+    for name, (sa, sq, mx, rows) in acc.items():
+        stats[name] = InputStats((sa / tokens).numpy(), (sq / tokens).numpy(), mx.numpy(),
+                                 torch.cat(rows).numpy().astype(np.float32), tokens)
+    for name, src in alias.items():
+        stats[name] = stats[src]
+    return Calibration(stats, tokens, {n: (g / tokens).numpy() for n, g in grads.items()})
+
+
+# ------------------------------------------------------------------------------ scale search
+
+def _normalized(s: np.ndarray) -> np.ndarray:
+    s = np.maximum(s, 1e-8)
+    return s / np.sqrt(s.max() * s.min())
+
+
+def _candidates(st: InputStats, weights: list, activations: str) -> list:
+    """(label, s) candidate scalings: AWQ mean|x|^alpha, and for int8 activations also
+    SmoothQuant max|x|^a / max|W|^(1-a)."""
+    out = [(f"awq {a}", _normalized(st.mean_abs ** a) if a else np.ones_like(st.mean_abs))
+           for a in ALPHAS]
+    if activations == "int8":
+        wmax = np.max([np.abs(w).max(axis=0) for w in weights], axis=0)
+        for a in ALPHAS[1:]:
+            out.append((f"smooth {a}", _normalized(np.maximum(st.max_abs, 1e-8) ** a
+                                                   / np.maximum(wmax, 1e-8) ** (1 - a))))
+    return out
+
+
+def search_scale(st: InputStats, weights: list, quantize, quantize_input=None,
+                 activations: str = "float", tie=None):
+    """(label, s, error, error at s = 1) minimizing the output error of the linears `weights`
+    (each (N, K) float32) on the sampled rows. `quantize(w) -> w'` is the build's weight
+    round trip, `quantize_input(x) -> x'` the activation round trip (or None).
+    `tie(s) -> s'` projects a candidate onto scalings the producer can absorb."""
+    X = st.sample.astype(np.float32)
+    ref = [X @ w.T for w in weights]
+    best = None
+    base = None
+    for label, s in _candidates(st, weights, activations):
+        if tie is not None:
+            s = tie(s)
+        s = s.astype(np.float32)
+        xs = X / s
+        if quantize_input is not None:
+            xs = quantize_input(xs)
+        err = 0.0
+        for w, r in zip(weights, ref):
+            d = xs @ quantize(w * s).T - r
+            err += float(np.dot(d.ravel().astype(np.float64), d.ravel().astype(np.float64)))
+        if label == "awq 0.0":
+            base = err
+        if best is None or err < best[2]:
+            best = (label, s, err)
+    return best + (base,)
+
+
+def fast_round_trip(w: np.ndarray, fmt: str) -> np.ndarray:
+    """Round-to-nearest stand-in of a format's round trip, for the searches that round every
+    weight many times (the scale search, the mix's error estimate): the format's grid with
+    plain min/max (or abs-max) scales per 32-block, without the format's scale search or its
+    scale rounding. ~50x cheaper than formats.fake_quantize; the build itself always stores
+    weights with the format's own quantizer."""
+    from .formats import GROUP, get_format
+
+    f = get_format(fmt)
+    N, K = w.shape
+    g = w.reshape(N, K // GROUP, GROUP).astype(np.float32)
+    if f.kind == "sym":
+        lo, hi = f.qrange
+        amax = np.abs(g).max(axis=-1, keepdims=True)
+        d = amax / (hi if lo == -hi else -lo)
+        q = np.clip(np.round(g / np.where(d > 0, d, 1)), lo, hi)
+        return (q * d).reshape(N, K)
+    nmax = f.qrange[1]
+    mn = g.min(axis=-1, keepdims=True)
+    if f.kind == "kquant":
+        mn = np.minimum(mn, 0)
+    d = (g.max(axis=-1, keepdims=True) - mn) / nmax
+    if f.kind == "kquant":  # the group scales and minimums on their 6-bit super-block grids
+        from .formats import super_groups
+
+        S, NG = super_groups(K), K // GROUP
+
+        def six_bit(v):
+            v = v.reshape(N, NG // S, S)
+            sup = (v.max(axis=2, keepdims=True) / 63).astype(np.float16).astype(np.float32)
+            code = np.clip(np.round(v / np.where(sup > 0, sup, 1)), 0, 63)
+            return (code * sup).reshape(N, NG, 1)
+
+        d, mn = six_bit(d), -six_bit(-mn)
+    q = np.clip(np.round((g - mn) / np.where(d > 0, d, 1)), 0, nmax)
+    return (q * d + mn).reshape(N, K)
+
+
+# ------------------------------------------------------------------------------ folding
+
+def _layer_modules(model):
+    """(layer index, attention module, mlp module, input norm, post-attention norm) per layer,
+    for Llama-style decoders (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj)."""
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")) or \
+                not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj")):
+            raise UserError("activation-aware scaling supports Llama-style decoders (q/k/v/o_proj, "
+                            "gate/up/down_proj); build without --calibration-method awq")
+        yield i, attn, mlp, layer.input_layernorm, layer.post_attention_layernorm
+
+
+def _scale_inputs(linears, s):
+    import torch
+
+    t = torch.from_numpy(s.astype(np.float32))
+    for lin in linears:
+        lin.weight.data = (lin.weight.data.float() * t[None, :]).to(lin.weight.dtype)
+
+
+def _scale_outputs(module, inv):
+    """Divide the output channels of `module` (an RMSNorm weight or a linear's rows) by s."""
+    import torch
+
+    t = torch.from_numpy(inv.astype(np.float32))
+    if module.weight.dim() == 1:
+        module.weight.data = (module.weight.data.float() / t).to(module.weight.dtype)
+    else:
+        module.weight.data = (module.weight.data.float() / t[:, None]).to(module.weight.dtype)
+        if getattr(module, "bias", None) is not None:
+            module.bias.data = (module.bias.data.float() / t).to(module.bias.dtype)
+
+
+def _kv_tie(config, K: int):
+    """For o_proj: a function projecting a (heads * head_dim,) scale onto one value per KV head
+    dim (the mean over the query heads that read that KV head), or None if shapes disagree."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    H = text.num_attention_heads
+    KVH = getattr(text, "num_key_value_heads", None) or H
+    D = getattr(text, "head_dim", None) or text.hidden_size // H
+    if H * D != K or H % KVH:
+        return None, None
+    rep = H // KVH
+
+    def tie(s):
+        g = s.reshape(KVH, rep, D).mean(axis=1)  # (KVH, D)
+        return np.repeat(g[:, None, :], rep, axis=1).reshape(K)
+
+    def per_kv(s):
+        return s.reshape(KVH, rep, D)[:, 0, :].reshape(KVH * D)
+
+    return tie, per_kv
+
+
+def apply_awq(model, calib: Calibration, quantizer_for, quantize_input=None,
+              activations: str = "float", log=print) -> dict:
+    """Search and fold the scales of every linear group into `model` (in place); update
+    `calib`'s statistics to the scaled inputs. `quantizer_for(names) -> fn(w) -> w'` gives the
+    weight round trip of the linear made of those checkpoint weight names (a merged linear
+    uses one format). Returns {group label: {"scale": label, "error_ratio": err / err(s=1)}}."""
+    report = {}
+    for i, attn, mlp, norm1, norm2 in _layer_modules(model):
+        pre = f"model.layers.{i}"
+        groups = [
+            (f"{pre}.self_attn.q_proj|k_proj|v_proj", [attn.q_proj, attn.k_proj, attn.v_proj],
+             [f"{pre}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")], norm1, None, None),
+            (f"{pre}.mlp.gate_proj|up_proj", [mlp.gate_proj, mlp.up_proj],
+             [f"{pre}.mlp.{p}" for p in ("gate_proj", "up_proj")], norm2, None, None),
+            (f"{pre}.mlp.down_proj", [mlp.down_proj], [f"{pre}.mlp.down_proj"], mlp.up_proj, None,
+             f"{pre}.mlp.up_proj"),
+        ]
+        tie, per_kv = _kv_tie(model.config, attn.o_proj.in_features)
+        if tie is not None:
+            groups.append((f"{pre}.self_attn.o_proj", [attn.o_proj], [f"{pre}.self_attn.o_proj"],
+                           attn.v_proj, (tie, per_kv), f"{pre}.self_attn.v_proj"))
+        for label, lins, names, producer, kv, producer_name in groups:
+            if names[0] not in calib.stats:
+                continue
+            weights = [lin.weight.detach().float().numpy() for lin in lins]
+            fq = quantizer_for([f"{n}.weight" for n in names])
+            if fq is None:  # stays float: nothing to gain
+                continue
+            chosen, s, err, base = search_scale(calib.stats[names[0]], weights, fq, quantize_input,
+                                                activations, tie=kv[0] if kv else None)
+            report[label] = {"scale": chosen, "error_ratio": err / base if base else 1.0}
+            if chosen == "awq 0.0":
+                continue
+            _scale_inputs(lins, s)
+            rows = kv[1](s) if kv else s
+            _scale_outputs(producer, rows)
+            if producer_name in calib.out_grad_sq:  # y / s has gradient s * dL/dy
+                calib.out_grad_sq[producer_name] = calib.out_grad_sq[producer_name] * rows ** 2
+            for n in names:
+                calib.stats[n] = calib.stats[n].scaled(s)
+    calib.scales = report
+    return report
+
+
+def summarize(report: dict) -> str:
+    """One line: how many groups were scaled and the mean output-error ratio."""
+    if not report:
+        return "no linear group scaled"
+    ratios = [r["error_ratio"] for r in report.values()]
+    scaled = sum(r["scale"] != "awq 0.0" for r in report.values())
+    smooth = sum(r["scale"].startswith("smooth") for r in report.values())
+    return (f"{scaled}/{len(report)} linear groups scaled ({smooth} SmoothQuant-style), output "
+            f"error on the calibration sample x{np.mean(ratios):.3f} of unscaled (mean)")
+
+
+# ------------------------------------------------------------------------------ the build hook
+
+METHODS = ("awq", "importance")
+# measured on SmolLM2-135M (README): awq took W8A8 from +0.76% to +0.23% and, for q4_k, chose
+# no scaling by itself; importance made q4_k worse (+0.63% vs +0.42%): off unless asked
+DEFAULT_METHODS = ("awq",)
+# what the CLI's "our best" names calibrate by default (exact format names and the Python API
+# calibrate only when asked): q4 = the calibrated mix at <= 4.6 bits per weight of the layers;
+# q8 = channel scaling (with int8 activations it took W8A8 from +0.76% to +0.23%, README)
+CLI_DEFAULTS = {"q4": {"bits_per_weight": 4.6}, "q8": {"calibrate": "awq"}}
+DEFAULT_WINDOWS = 4  # 256-token windows of the calibration text (1024 tokens)
+MIX_CANDIDATES = ("q8_0",)  # formats a unit may be raised to from the plan's default
+
+
+def parse_methods(methods) -> tuple:
+    if methods is None:
+        return DEFAULT_METHODS
+    if isinstance(methods, str):
+        methods = [m.strip() for m in methods.split(",") if m.strip()]
+    methods = tuple(m for m in methods if m != "none")
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise UserError(f"unknown --calibrate method {bad[0]!r}: choose from {', '.join(METHODS)} "
+                        "or none")
+    return methods
+
+
+def _scheme_quantizers(scheme):
+    """(quantizer_for, quantize_input) for a QuantScheme build (one format everywhere)."""
+    from .scheme import fake_quantize_np
+
+    def quantizer_for(names):
+        if scheme.keeps_float(names):
+            return None
+        return lambda w: fake_quantize_np(w, scheme) if scheme.applies_to(w.shape[1], w.shape[0]) else w
+
+    def per_token(x):
+        s = np.abs(x).max(axis=-1, keepdims=True) / 127.0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.where(s > 0, np.clip(np.round(x / np.where(s > 0, s, 1)), -127, 127), 0)
+        return (q * s).astype(np.float32)
+
+    return quantizer_for, (per_token if scheme.activations == "int8" else None)
+
+
+def _plan_quantizers(plan):
+    """(quantizer_for, quantize_input) for the scale search: the round-to-nearest stand-in of
+    each linear's format (fast_round_trip) and the int8 activation round trip."""
+    from .formats import FORMATS, fake_quantize_activation
+    from .plan import FLOAT
+
+    def quantizer_for(names):
+        fmt = plan.format_for(names)
+        if fmt == FLOAT:
+            return None
+        return lambda w: fast_round_trip(w, fmt) if FORMATS[fmt].applies_to(*w.shape) else w
+
+    return quantizer_for, (fake_quantize_activation if plan.activations == "int8" else None)
+
+
+def calibrate_for_build(model, model_dir: str, quant, text_path: str | None = None, methods=None,
+                        bits_per_weight: float | None = None, count: str = "body",
+                        windows: int = DEFAULT_WINDOWS, log=print):
+    """Calibrate the float transformers `model` in place before export and return
+    (quantization, report): AWQ-style scales folded into the weights ("awq"), importance for
+    the rounding ("importance") and, with `bits_per_weight`, the automatic mix. `quant` is the
+    build's QuantPlan (or a legacy QuantScheme: then only "awq" applies, nothing else changes)."""
+    import time
+
+    from dataclasses import replace
+
+    from .scheme import QuantScheme
+
+    if isinstance(quant, QuantScheme) and getattr(quant, "plan", None) is not None:
+        # a scheme that carries its QuantPlan: calibrate the plan, keep the rest
+        plan, report = calibrate_for_build(model, model_dir, quant.plan, text_path, methods,
+                                           bits_per_weight, count, windows, log)
+        return replace(quant, plan=plan), report
+    methods = parse_methods(methods)
+    legacy = isinstance(quant, QuantScheme)
+    if bits_per_weight is not None:  # checked before the (slow) calibration pass
+        from .plan import format_bits
+
+        lowest = quant.bits + 0.5 if legacy else format_bits(quant.default_format)
+        if not bits_per_weight >= lowest - 1e-9:
+            raise UserError(f"--bits-per-weight {bits_per_weight:g} is below the cheapest mix "
+                            f"({lowest:g} bits per weight with every weight in the default "
+                            "format); raise it")
+    if not methods and bits_per_weight is None:
+        return quant, None
+    t0 = time.perf_counter()
+    wins = token_windows(model_dir, read_calibration(text_path), 256, windows)
+    need_grads = bits_per_weight is not None and not legacy
+    log(f"[tvm-llm] calibrating on {sum(len(w) - 1 for w in wins)} tokens of "
+        f"{text_path or 'the bundled calibration text'} ({', '.join(methods) or 'mix only'})")
+    calib = collect(model, wins, gradients=need_grads)
+    report = {"text": os.path.abspath(text_path or DEFAULT_CALIBRATION), "tokens": calib.tokens,
+              "methods": list(methods)}
+    quantizer_for, quantize_input = _scheme_quantizers(quant) if legacy else _plan_quantizers(quant)
+    activations = quant.activations
+    if "awq" in methods:
+        scales = apply_awq(model, calib, quantizer_for, quantize_input, activations)
+        report["awq"] = summarize(scales)
+        log(f"[tvm-llm] activation-aware scaling: {report['awq']}")
+    if legacy:  # one format everywhere: no importance, no mix
+        if bits_per_weight is not None:
+            log("[tvm-llm] the automatic mix needs per-weight formats (a QuantPlan); not applied")
+        report["seconds"] = round(time.perf_counter() - t0, 1)
+        return quant, report
+    from . import mix
+    from .sensitivity import fisher_units
+
+    importance = {}
+    if "importance" in methods:
+        importance = calib.importance()
+        _alias_head(model, importance)
+    formats = dict(quant.formats)
+    if bits_per_weight is not None:
+        candidates = [quant.default_format] + [f for f in MIX_CANDIDATES if f != quant.default_format]
+        units = fisher_units(model, calib, candidates, importance or None)
+        choice = mix.choose(units, candidates, bits_per_weight, count)
+        formats.update(mix.to_formats(units, choice))
+        _alias_head(model, formats)
+        report["mix"] = mix.format_mix(units, choice, quant.default_format)
+        report["bits_per_weight"] = {c: round(mix.average_bits(units, choice, c), 4) for c in mix.COUNTS}
+        report["budget"] = {"bits_per_weight": bits_per_weight, "count": count}
+        log(f"[tvm-llm] {report['mix']}")
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    return replace(quant, formats=formats, importance=importance), report
+
+
+def _alias_head(model, table: dict) -> None:
+    """A tied LM head is the embedding table: give its entry under both names."""
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and head.weight is emb.weight and "lm_head.weight" in table:
+        emb_name = next(n for n, m in model.named_modules() if m is emb) + ".weight"
+        table[emb_name] = table["lm_head.weight"]

@@ -189,6 +189,7 @@ _cosine = _number(float, -1.0, 1.0, what="a cosine in [-1, 1]")
 _fraction = _number(float, 0.0, 1.0, what="a fraction in [0, 1]")
 _page_size = _number(int, 1, MAX_INT, what="a power of two from 8 to 128")
 _bits_per_weight = _number(float, 1.0, 32.0, what="bits per weight in [1, 32]")
+_port = _number(int, 0, 65535, what="a TCP port in [0, 65535]")
 
 
 def _text_arg(text: str) -> str:
@@ -364,7 +365,7 @@ def make_parser() -> argparse.ArgumentParser:
                         "batching. SIGTERM drains open requests, then exits.")
     sv.add_argument("output_dir", metavar="OUT", help="directory written by `tvm-llm build`")
     sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
+    sv.add_argument("--port", type=_port, default=8000, help="0 picks a free port (printed)")
     sv.add_argument("--api-key", default=os.environ.get("TVM_LLM_API_KEY"),
                     help="require 'Authorization: Bearer KEY' (default: $TVM_LLM_API_KEY)")
     sv.add_argument("--max-batch-size", type=_positive_int, default=None,

@@ -82,7 +82,7 @@ def test_importance_weighted_rounding_lowers_the_weighted_error(fmt):
 def test_calibrated_build_equals_its_simulation(checkpoint, tmp_path):
     import tvm_llm
     from tvm_llm import Engine
-    from tvm_llm.quantization.sensitivity import _Quantized, _units
+    from quant_simulation import Simulated
 
     out = str(tmp_path / "out")
     m = tvm_llm.build(checkpoint("llama"), out, max_batch_size=2, prefill_chunk_size=64,
@@ -98,7 +98,8 @@ def test_calibrated_build_equals_its_simulation(checkpoint, tmp_path):
     # the model as the build loads it: calibration statistics are float-order sensitive
     model = load_model(checkpoint("llama"), read_config(checkpoint("llama")), "float32").eval()
     C.calibrate_for_build(model, checkpoint("llama"), scheme, methods="awq", log=lambda *a: None)
-    with _Quantized([lin for lins in _units(model).values() for lin in lins], scheme):
+    # every weight as the build stored it (the report's formats, the 8-bit embedding included)
+    with Simulated(model, m["quantization"]["quantized"]):
         ref = _logits(model)
     assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
 

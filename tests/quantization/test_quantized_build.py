@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from quant_simulation import Simulated as _Simulated
 from tiny_models import VOCAB
-from tvm_llm.quantization.formats import fake_quantize, fake_quantize_activation
 from tvm_llm.quantization.plan import QuantPlan
 from tvm_llm.quantization.scheme import parse_scheme
 
@@ -59,38 +59,6 @@ def _logits(out):
 
 def _manifest(out):
     return json.load(open(os.path.join(out, "manifest.json")))
-
-
-class _Simulated:
-    """Context manager: every weight the build's report lists computes, inside transformers,
-    with the fake-quantized weight of its format (and int8-rounded inputs where the build uses
-    int8 activations)."""
-
-    def __init__(self, model, quantized):
-        self.model, self.quantized = model, quantized or {}
-        self.hooks, self.saved = [], []
-
-    def __enter__(self):
-        done = set()
-        modules = dict(self.model.named_modules())
-        for key, entry in self.quantized.items():
-            for name in key.split(","):
-                mod = modules[name.rsplit(".weight", 1)[0]]
-                if id(mod.weight) not in done:  # a tied table is one tensor: quantized once
-                    done.add(id(mod.weight))
-                    self.saved.append((mod, mod.weight.data))
-                    w = mod.weight.detach().float().numpy()
-                    mod.weight.data = torch.from_numpy(fake_quantize(w, entry["format"]))
-                if entry["activations"] == "int8" and isinstance(mod, torch.nn.Linear):
-                    self.hooks.append(mod.register_forward_pre_hook(
-                        lambda _m, a: (torch.from_numpy(fake_quantize_activation(a[0].numpy())),) + a[1:]))
-        return self
-
-    def __exit__(self, *exc):
-        for mod, w in self.saved:
-            mod.weight.data = w
-        for h in self.hooks:
-            h.remove()
 
 
 def _reference(model, quantized=None):

@@ -80,7 +80,8 @@ def test_tune_measures_over_rpc_and_resumes(rpc_farm, tmp_path):
     assert "1 server(s)" in runner[1]
     lines = []
     summary = tune_module(Toy, spec, parse_buckets(["decode:b=1"]), trials=2, log_dir=log_dir,
-                          runner=runner, trials_per_batch=2, log=lines.append)
+                          runner=runner, trials_per_batch=2, log=lines.append,
+                          rule_grid=False)  # the tile grid has its own test (test_tune_model)
     text = "\n".join(lines)
     assert f"measuring on RPC tracker {rpc_farm}" in text
     assert summary["trials_run"] == 4
@@ -92,7 +93,7 @@ def test_tune_measures_over_rpc_and_resumes(rpc_farm, tmp_path):
     assert n == 6  # 2 trials + the generic kernel's measurement, per kernel
     # run again: every kernel has its trials, nothing is measured
     again = tune_module(Toy, spec, parse_buckets(["decode:b=1"]), trials=2, log_dir=log_dir,
-                        runner=runner, log=lambda *a: None)
+                        runner=runner, log=lambda *a: None, rule_grid=False)
     assert again["trials_run"] == 0 and read_log(log_dir, spec.hw_key())[1] == 6
 
 

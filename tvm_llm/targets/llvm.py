@@ -93,10 +93,6 @@ class LLVMTarget(TargetSpec):
     def __init__(self, arch: str | None = None, **options):
         super().__init__(arch=arch, **options)
         self.isa_arch, self.cpu = parse_arch(arch)
-        host = os.uname().machine
-        # another instruction set, or another CPU model than this one: code built for it may
-        # not run here, so it is built like a cross target (and not benchmarked here)
-        self.cross = self.isa_arch != host or (self.cpu is not None and self.cpu != host_cpu_name())
 
     def tvm_target(self):
         import tvm

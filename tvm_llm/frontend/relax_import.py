@@ -199,12 +199,15 @@ def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
     from tvm import relax as rx
     from tvm.relax.frontend.torch import from_exported_program
 
+    from .mla import mla_converters
+
     layers: dict = {}
     cache_var = rx.Var("paged_kv_cache", rx.ObjectType())
     mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,
                                 custom_convert_map={
                                     **_half_precision_converters(),
-                                    **_attention_converter(layers, cache_var, dtype)})
+                                    **_attention_converter(layers, cache_var, dtype),
+                                    **mla_converters(layers, cache_var, dtype)})
     func = mod["main"]
     n_in = int(func.attrs["num_input"])
     sources = _weight_sources(ep)

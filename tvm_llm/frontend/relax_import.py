@@ -193,6 +193,20 @@ def _weight_sources(ep) -> dict:
     return out
 
 
+_COMPLEX_OPS = ("view_as_complex", "view_as_real", "polar")
+
+
+def _refuse_complex_ops(ep) -> None:
+    """Complex-number tensors (a rotary embedding written as a complex product, e.g.
+    transformers' deepseek_v2) have no Relax equivalent: refuse them in one line."""
+    used = sorted({str(n.target).split(".")[1] for n in ep.graph.nodes if n.op == "call_function"
+                   and str(n.target).startswith("aten.") and str(n.target).split(".")[1] in _COMPLEX_OPS})
+    if used:
+        raise UserError(f"the model computes with complex numbers ({', '.join(used)}; a rotary "
+                        "embedding in complex form, as in deepseek_v2), which tvm_llm cannot "
+                        "import; not supported")
+
+
 def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
     """Convert the exported program into the forward Relax function (one symbolic batch/seq)."""
     import tvm
@@ -201,6 +215,7 @@ def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
 
     from .mla import mla_converters
 
+    _refuse_complex_ops(ep)
     layers: dict = {}
     cache_var = rx.Var("paged_kv_cache", rx.ObjectType())
     mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,

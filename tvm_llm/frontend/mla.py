@@ -126,8 +126,9 @@ def use_latent_attention(model) -> bool:
 def mla_converters(layers: dict, cache_var, cache_dtype: str | None = None) -> dict:
     """Relax converter of tvm_llm::mla_attention: absorbed query, the latent row (c | k_pe) as
     one KV head of the paged cache (K and V planes), attention, then W_UV per head.
-    Records (num_heads, 1, L + R, L + R, scale) for the layer in `layers`, like the standard
-    attention converter, so the cache is created for one KV head of the latent width."""
+    Records (num_heads, 1, L + R, L + R, scale, "latent") for the layer in `layers`, like the
+    standard attention converter, so the cache is created for one KV head of the latent width
+    (and the CPU build takes schedules/cpu/mla_attention.py's decode kernel)."""
     from tvm import relax as rx
 
     def convert(node, importer):
@@ -138,7 +139,7 @@ def mla_converters(layers: dict, cache_var, cache_dtype: str | None = None) -> d
         b, nh, s, _ = q.ty.shape
         lat, rope = int(latent.ty.shape[3]), int(k_pe.ty.shape[3])
         nh_i, width = int(nh), lat + rope
-        layers[layer_id] = (nh_i, 1, width, width, scale)
+        layers[layer_id] = (nh_i, 1, width, width, scale, "latent")
         dtype = str(cache_dtype or q.ty.dtype)
 
         def cast(t, dt):

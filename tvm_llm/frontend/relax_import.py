@@ -31,6 +31,9 @@ class AttentionShape:
     head_dim: int
     v_head_dim: int
     scales: list = field(default_factory=list)
+    # multi-head latent attention (frontend/mla.py): one KV head whose K and V planes hold the
+    # same latent row (c | k_pe), head_dim = kv_lora_rank + qk_rope_head_dim
+    latent: bool = False
 
 
 @dataclass
@@ -244,7 +247,8 @@ def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
         raise UserError(f"attention layers differ in heads/head dim {sorted(shapes)}; the paged "
                         "KV cache needs one shape for all layers")
     nh, nkv, d, dv = shapes.pop()
-    attn = AttentionShape(len(ids), nh, nkv, d, dv, [layers[i][4] for i in ids])
+    attn = AttentionShape(len(ids), nh, nkv, d, dv, [layers[i][4] for i in ids],
+                          latent=any(len(v) > 5 and v[5] == "latent" for v in layers.values()))
 
     # forward(input_ids, position_ids, logit_positions, kv_cache, *weights)
     #     -> (logits, stacked hidden states)
@@ -352,6 +356,11 @@ def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target, page_si
         shape = (attn.num_kv_heads, attn.num_heads, attn.head_dim, dtype)
         kv_mod["batch_decode_paged_kv_cpu"] = decode_attention_func(*shape, page_size=page_size)
         kv_mod["batch_prefill_ragged_kv"] = prefill_ragged_attention_func(*shape)
+        if attn.latent:  # MLA: heads split over threads, values read from the K plane
+            from schedules.cpu.mla_attention import latent_decode_attention_func
+
+            kv_mod["batch_decode_paged_kv_cpu"] = latent_decode_attention_func(
+                attn.num_heads, attn.head_dim, dtype, page_size=page_size)
         if page_size != 16:
             _rebuild_cpu_page_kernels(kv_mod, attn, dtype, page_size)
         if dtype == "bfloat16":

@@ -84,8 +84,8 @@ def latent_decode_attention_func(num_qo_heads: int, head_dim: int, dtype: str,
             o = T.alloc_buffer((G, D), "float32", scope="local")
             m = T.alloc_buffer((G,), "float32", scope="local")
             den = T.alloc_buffer((G,), "float32", scope="local")
-            s = T.alloc_buffer((PAGE,), "float32", scope="local")
-            part = T.alloc_buffer((L,), "float32", scope="local")
+            kt = T.alloc_buffer((D, PAGE), "float32", scope="local")
+            s = T.alloc_buffer((G, PAGE), "float32", scope="local")
             mx = T.alloc_buffer((1,), "float32", scope="local")
             b = bc // C
             head0 = bc % C * G
@@ -96,7 +96,36 @@ def latent_decode_attention_func(num_qo_heads: int, head_dim: int, dtype: str,
                 page = page_table_values[begin + p]
                 ntok = T.Select(p == npages - 1, last_page_len[b], PAGE)
                 k_base = page * 2 * PAGE * D  # the K plane, read for the values too
-                block(q, o, m, den, s, part, mx, flat, flat, k_base, k_base, D, ntok)
+                # the page's rows transposed (D, PAGE): the scores of all G heads are then
+                # broadcast FMAs over the page's tokens, G x PAGE accumulators
+                for t in range(PAGE):
+                    for d in range(D):
+                        kt[d, t] = T.Select(t < ntok, T.Cast("float32", flat[k_base + t * D + d]),
+                                            T.float32(0))
+                for g in T.unroll(G):
+                    for t in T.vectorized(PAGE):
+                        s[g, t] = T.float32(0)
+                for d in range(D):
+                    for g in T.unroll(G):
+                        for t in T.vectorized(PAGE):
+                            s[g, t] = s[g, t] + q[g, d] * kt[d, t]
+                for g in range(G):  # one online-softmax rescale per page
+                    mx[0] = m[g]
+                    for t in range(PAGE):
+                        mx[0] = T.max(mx[0], T.Select(t < ntok, s[g, t], T.float32(-5e4)))
+                    rescale = T.exp2(m[g] - mx[0])
+                    den[g] = den[g] * rescale
+                    for t in T.vectorized(PAGE):
+                        s[g, t] = T.Select(t < ntok, T.exp2(s[g, t] - mx[0]), T.float32(0))
+                    for t in range(PAGE):
+                        den[g] = den[g] + s[g, t]
+                    for d in T.vectorized(D):
+                        o[g, d] = o[g, d] * rescale
+                    m[g] = mx[0]
+                for t in range(ntok):
+                    for g in range(G):
+                        for d in T.vectorized(D):
+                            o[g, d] = o[g, d] + s[g, t] * T.Cast("float32", flat[k_base + t * D + d])
             finish(o, m, den, output, lse, b, head0)
 
     return latent_decode_attention

@@ -4,6 +4,8 @@ Pure arithmetic on numbers the planner hands in (no TVM, no torch), so every fig
 checked by hand:
 
     KV bytes per token  = 2 (K and V) * layers * kv_heads * head_dim * dtype bytes
+                          (an MLA model: kv_heads 1, head_dim kv_lora_rank + qk_rope_head_dim,
+                          as traced, see frontend/mla.py)
     page bytes          = KV bytes per token * page size
     pages               = (budget - weights - activations - logits - KV workspace
                            - runtime reserve) // page bytes

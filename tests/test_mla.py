@@ -1,9 +1,10 @@
 """DeepSeek-V3 multi-head latent attention (tvm_llm/frontend/mla.py) against transformers.
 
 A tiny random deepseek_v3 checkpoint (every layer dense: first_k_dense_replace = layers; the
-mixture-of-experts layers are tested elsewhere), with a low-rank query (q_lora_rank set) for the
-CPU numerics and a full-rank query (q_lora_rank None, the V2-Lite shape) for the GPU
-cross-compiles, so both query paths are imported and built.
+mixture-of-experts layers are tested elsewhere), with a low-rank query (q_lora_rank set) and
+DeepSeek-V3's YaRN rotary scaling for the CPU numerics, and a full-rank query (q_lora_rank
+None, the V2-Lite shape) with plain RoPE for the GPU cross-compiles, so both query paths are
+imported and built.
 """
 from __future__ import annotations
 
@@ -24,10 +25,16 @@ def _prompt(n, seed):
     return [int(t) for t in np.random.default_rng(seed).integers(3, VOCAB, size=n)]
 
 
-def _make(path, q_lora_rank):
+# DeepSeek-V3's own rotary scaling (YaRN with mscale_all_dim: the softmax scale changes too)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+
+
+def _make(path, q_lora_rank, rope_parameters=None):
     import transformers as T
 
-    cfg = T.DeepseekV3Config(**{
+    extra = {"rope_parameters": rope_parameters} if rope_parameters else {}
+    cfg = T.DeepseekV3Config(**extra, **{
         **COMMON, "num_key_value_heads": 4, "kv_lora_rank": LATENT, "q_lora_rank": q_lora_rank,
         "qk_rope_head_dim": ROPE, "qk_nope_head_dim": 16, "v_head_dim": 16,
         "first_k_dense_replace": COMMON["num_hidden_layers"], "n_routed_experts": 4,
@@ -45,7 +52,7 @@ def _make(path, q_lora_rank):
 
 @pytest.fixture(scope="module")
 def mla_checkpoint(tmp_path_factory):
-    return _make(str(tmp_path_factory.mktemp("ck_deepseek_v3")), q_lora_rank=24)
+    return _make(str(tmp_path_factory.mktemp("ck_deepseek_v3")), q_lora_rank=24, rope_parameters=YARN)
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,14 @@ from tvm.script import tirx as T
 from .attention import PAGE_SIZES, _lanes, _online_softmax_macros
 
 
-def head_chunks(num_qo_heads: int, want: int = 4) -> int:
-    """How many head groups a sequence's decode is split into: `want` where it divides the heads,
-    else the largest divisor below it."""
-    for c in range(min(want, num_qo_heads), 0, -1):
-        if num_qo_heads % c == 0:
+def head_chunks(num_qo_heads: int, want: int = 4, max_heads: int = 16) -> int:
+    """How many head groups a sequence's decode is split into: at least `want` (parallel work
+    for a batch-1 step) and few enough heads per group that its G x PAGE score accumulators
+    stay in registers (`max_heads`); the smallest such divisor of the heads."""
+    for c in range(min(want, num_qo_heads), num_qo_heads + 1):
+        if num_qo_heads % c == 0 and num_qo_heads // c <= max_heads:
             return c
-    return 1
+    return num_qo_heads
 
 
 def latent_decode_attention_func(num_qo_heads: int, head_dim: int, dtype: str,

@@ -41,4 +41,5 @@ def test_latent_decode_kernel_matches_numpy(heads, chunks):
         assert np.abs(out.numpy()[b] - ref).max() < 1e-5
         ref_lse = (np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)) / np.log(2)
         assert np.abs(lse.numpy()[b] - ref_lse).max() < 1e-4
-    assert head_chunks(heads) == (4 if heads == 8 else 3)
+    assert head_chunks(heads) == (4 if heads == 8 else 6)
+    assert head_chunks(128) == 8 and head_chunks(16) == 4  # <= 16 heads per item

@@ -31,7 +31,13 @@ prefill whose sequences all append one token runs with the pages already holding
 cache's `mha` kind with one KV head of width L + R and the attention kernels we already use
 (ours on CPU, TVM's on CUDA/ROCm) handle both cases and forks correctly; its cost is that the
 page keeps the row twice (the K and the V plane, 2 (L + R) values per token and layer). The
-V plane's last R columns (k_pe) are attended too and dropped before W_UV.
+V plane's last R columns (k_pe) are attended too and dropped before W_UV. On CPU the decode
+kernel (schedules/cpu/mla_attention.py) reads the values from the K plane. Prefill also runs
+in the absorbed form: at DeepSeek-V3's sizes that is ~3x the attention FLOPs of attending
+with up-projected K/V over the new tokens (a later optimization), but one cache path.
+
+deepseek_v2 has the same `expand_kv` seam, but its transformers RoPE computes with complex
+numbers, which the importer refuses (relax_import._refuse_complex_ops); deepseek_v3 imports.
 """
 from __future__ import annotations
 

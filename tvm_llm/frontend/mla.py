@@ -33,7 +33,7 @@ cache's `mha` kind with one KV head of width L + R and the attention kernels we 
 page keeps the row twice (the K and the V plane, 2 (L + R) values per token and layer). The
 V plane's last R columns (k_pe) are attended too and dropped before W_UV. On CPU the decode
 kernel (schedules/cpu/mla_attention.py) reads the values from the K plane. Prefill also runs
-in the absorbed form: at DeepSeek-V3's sizes that is ~3x the attention FLOPs of attending
+in the absorbed form: at DeepSeek-V3's sizes that is ~3.5x the attention FLOPs of attending
 with up-projected K/V over the new tokens (a later optimization), but one cache path.
 
 deepseek_v2 has the same `expand_kv` seam, but its transformers RoPE computes with complex

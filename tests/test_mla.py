@@ -97,7 +97,7 @@ def test_prefill_decode_logits_and_greedy_tokens_match_transformers(mla_built, m
     assert eng.generate_ids([prompt], max_new_tokens=n_new, ignore_eos=True)[0] == hf_tokens
 
 
-def test_ragged_batch_and_chunked_prefill_decode_like_each_prompt_alone(mla_built):
+def test_ragged_batch_and_forked_samples_decode_like_each_prompt_alone(mla_built):
     from tvm_llm import Engine
 
     eng = Engine(mla_built)

@@ -155,14 +155,15 @@ def _wait_healthy(url: str, proc, timeout: float = 600) -> None:
 
 
 class TvmServer:
-    def __init__(self, out: str, threads: int, max_batch: int, step_prefill: int | None = None):
+    def __init__(self, out: str, threads: int, max_batch: int, step_prefill: int | None = None,
+                 extra: tuple = ()):
         self.name = "tvm_llm serve"
         wt = os.path.dirname(HERE)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([wt, os.environ.get("PYTHONPATH", "")]))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tvm_llm.cli", "serve", out, "--port", "0", "--threads",
              str(threads), "--max-batch-size", str(max_batch), "--model-name", "model"]
-            + (["--step-prefill-tokens", str(step_prefill)] if step_prefill else []),
+            + (["--step-prefill-tokens", str(step_prefill)] if step_prefill else []) + list(extra),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         line = self.proc.stdout.readline()
         m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
@@ -389,7 +390,11 @@ def main(argv=None) -> int:
     ap.add_argument("--llamacpp-parallel", default="4,16",
                     help="llama-server --parallel settings to try ('' = skip llama.cpp)")
     ap.add_argument("--step-prefill-tokens", type=int, default=None,
-                    help="tvm-llm serve --step-prefill-tokens (default: a whole prefill chunk)")
+                    help="tvm-llm serve --step-prefill-tokens (default: the server's, sized by "
+                    "--step-prefill-ratio)")
+    ap.add_argument("--step-prefill-ratio", type=float, default=None,
+                    help="tvm-llm serve --step-prefill-ratio (default: the server's, 0.5)")
+    ap.add_argument("--no-mixed-steps", action="store_true", help="tvm-llm serve --no-mixed-steps")
     ap.add_argument("--no-amx", action="store_true", help="llama.cpp build without AMX (Intel)")
     ap.add_argument("--plot", default=None, help="write the latency-throughput curves to this PNG")
     ap.add_argument("--json", default=None, help="write all figures to this JSON file")
@@ -412,7 +417,9 @@ def main(argv=None) -> int:
     results = {}
 
     out = tvm_build(ckpt, args.shape, args.quantization, max_batch, context)
-    server = TvmServer(out, args.threads, max(args.clients), args.step_prefill_tokens)
+    extra = (["--step-prefill-ratio", str(args.step_prefill_ratio)]
+             if args.step_prefill_ratio else []) + (["--no-mixed-steps"] if args.no_mixed_steps else [])
+    server = TvmServer(out, args.threads, max(args.clients), args.step_prefill_tokens, extra)
     log(f"{server.name} at {server.url}")
     try:
         results[server.name] = run_loads(server.url, trace, args)

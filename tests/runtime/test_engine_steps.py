@@ -51,16 +51,21 @@ def test_step_api_matches_generate_and_abort_frees_pages(engine):
     assert engine.cache.free_pages() == engine.cache.total_pages and engine.cache.sequences == {}
 
 
-@pytest.mark.parametrize("budget", [None, 16])
-def test_long_prompt_prefill_does_not_stall_running_sequences(engine, budget):
-    """A prompt of several chunks is prefilled one chunk per step (or `decode_prefill_tokens`
-    while others decode) and running sequences keep decoding a token every step; the tokens
-    equal a run without interleaving."""
+@pytest.mark.parametrize("mixed", [True, False])
+@pytest.mark.parametrize("budget", ["chunk", 16])
+def test_long_prompt_prefill_does_not_stall_running_sequences(engine, budget, mixed):
+    """A prompt of several chunks is prefilled `decode_prefill_tokens` per step while another
+    sequence decodes (in the same prefill call when `mixed_steps`, else in a call of its own),
+    and the running sequence keeps decoding a token every step; the tokens equal a run without
+    interleaving."""
     chunk = engine.cache.prefill_chunk_size
-    per_step = budget or chunk
+    per_step = chunk if budget == "chunk" else budget
+    if mixed:  # the decoding sequence's token shares the call's chunk
+        per_step = min(per_step, chunk - 1)
     long_prompt = [(7 * i) % 300 + 3 for i in range(3 * chunk + 5)]
     expected = engine.generate_ids([long_prompt], max_new_tokens=2, ignore_eos=True)[0]
-    engine.decode_prefill_tokens = budget
+    engine.decode_prefill_tokens = chunk if budget == "chunk" else budget
+    engine.mixed_steps = mixed
     try:
         short = engine.add(PROMPTS[0], max_new_tokens=200, ignore_eos=True, buffer=False)[0]
         engine.step()  # the short prompt is prefilled and decoding
@@ -76,9 +81,41 @@ def test_long_prompt_prefill_does_not_stall_running_sequences(engine, budget):
         assert got == expected
     finally:
         engine.decode_prefill_tokens = None
+        engine.mixed_steps = True
         engine.abort(short)
         engine.abort(long_rid)
     assert engine.cache.free_pages() == engine.cache.total_pages
+
+
+def test_timed_prefill_slices_and_mixed_steps_keep_tokens(engine):
+    """The default step budget (prompt tokens sized from measured step times) with the running
+    sequences' tokens in the prefill call: several long prompts arriving while others decode
+    get the same tokens as each run alone, nobody decoding ever misses a step, and while
+    sequences decode, a step prefills fewer tokens than a whole chunk once times are known."""
+    chunk = engine.cache.prefill_chunk_size
+    prompts = [[(k * 11 + 7 * i) % 300 + 3 for i in range(2 * chunk + 3 * k)] for k in range(3)]
+    alone = [engine.generate_ids([p], max_new_tokens=6, ignore_eos=True)[0] for p in prompts]
+    shorts = [engine.generate_ids([p], max_new_tokens=40, ignore_eos=True)[0] for p in PROMPTS]
+    assert engine.decode_prefill_tokens is None and engine.mixed_steps
+    assert engine._decode_seconds and engine._prefill_token_seconds  # measured by those runs
+    assert 1 <= engine._step_prefill_room(2) <= chunk
+    short_ids = [engine.add(p, max_new_tokens=40, ignore_eos=True, buffer=False)[0] for p in PROMPTS]
+    got = {r: [] for r in short_ids}
+    for e in engine.step():  # the short prompts are prefilled and decoding
+        got[e.request_id].append(e.token)
+    long_ids = [engine.add(p, max_new_tokens=6, ignore_eos=True, buffer=False)[0] for p in prompts]
+    got.update({r: [] for r in long_ids})
+    while engine.has_work():
+        running = {r.rid for r in engine._running}
+        events = engine.step()
+        stepped = {e.request_id for e in events}
+        assert running <= stepped, "a running sequence missed a step"
+        for e in events:
+            got[e.request_id].append(e.token)
+    assert [got[r] for r in short_ids] == shorts
+    assert [got[r] for r in long_ids] == alone
+    assert engine._mixed_token_seconds is not None  # prompts rode on decode calls
+    assert engine.cache.free_pages() == engine.cache.total_pages and engine.cache.sequences == {}
 
 
 def test_threads_share_one_engine_and_match_the_serial_run(engine):

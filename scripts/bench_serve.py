@@ -393,7 +393,7 @@ def main(argv=None) -> int:
                     help="tvm-llm serve --step-prefill-tokens (default: the server's, sized by "
                     "--step-prefill-ratio)")
     ap.add_argument("--step-prefill-ratio", type=float, default=None,
-                    help="tvm-llm serve --step-prefill-ratio (default: the server's, 0.5)")
+                    help="tvm-llm serve --step-prefill-ratio (default: the server's, 1)")
     ap.add_argument("--no-mixed-steps", action="store_true", help="tvm-llm serve --no-mixed-steps")
     ap.add_argument("--no-amx", action="store_true", help="llama.cpp build without AMX (Intel)")
     ap.add_argument("--plot", default=None, help="write the latency-throughput curves to this PNG")

@@ -382,9 +382,11 @@ def make_parser() -> argparse.ArgumentParser:
                     help="prompt tokens prefilled per step while other sequences decode "
                     "(default: sized by --step-prefill-ratio; the build's prefill chunk size "
                     "gives the fastest first token, at uneven inter-token latency)")
-    sv.add_argument("--step-prefill-ratio", type=_step_ratio, default=0.5,
+    sv.add_argument("--step-prefill-ratio", type=_step_ratio, default=1.0,
                     help="while sequences decode, prefill as many prompt tokens per step as "
-                    "add about this fraction of a decode step's measured time (default 0.5)")
+                    "add about this fraction of a decode step's measured time (default 1: a "
+                    "step that prefills takes about two decode steps; 0.5 evens inter-token "
+                    "latency more, at a later first token)")
     sv.add_argument("--no-mixed-steps", action="store_true",
                     help="prefill prompts in a call of their own, not in the decode's call")
     sv.set_defaults(func=_serve)

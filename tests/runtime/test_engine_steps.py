@@ -114,7 +114,6 @@ def test_timed_prefill_slices_and_mixed_steps_keep_tokens(engine):
             got[e.request_id].append(e.token)
     assert [got[r] for r in short_ids] == shorts
     assert [got[r] for r in long_ids] == alone
-    assert engine._mixed_token_seconds is not None  # prompts rode on decode calls
     assert engine.cache.free_pages() == engine.cache.total_pages and engine.cache.sequences == {}
 
 

@@ -124,13 +124,15 @@ class Engine:
         # sequences' inter-token latency stays even); an int fixes the count (the build's
         # prefill chunk size: a whole chunk per step, the fastest time to first token).
         self.decode_prefill_tokens: int | None = None
-        self.prefill_step_ratio = 0.5
+        self.prefill_step_ratio = 1.0
         # While a prompt is prefilled, the running sequences' next tokens ride in the same
         # prefill call (one pass over the weights, one VM call); False: a separate decode call.
         self.mixed_steps = True
         self._decode_seconds: dict = {}  # batch size -> EMA of a decode call's seconds
-        self._prefill_token_seconds: float | None = None  # EMA: a prefill call's seconds / tokens
-        self._mixed_token_seconds: float | None = None  # EMA: what a prompt token adds to a step
+        # EMA of seconds per token of prefill calls of at least PREFILL_TIMING_TOKENS tokens:
+        # what one more token costs a call, once the call's fixed cost (a pass over the
+        # weights) is spread over many
+        self._prefill_token_seconds: float | None = None
         self._update_stats()
 
     # -------------------------------------------------------------- tokenizer
@@ -519,8 +521,7 @@ class Engine:
             return chunk
         if self.decode_prefill_tokens:
             return min(chunk, self.decode_prefill_tokens)
-        per_token = (self._mixed_token_seconds if self.mixed_steps and self._mixed_token_seconds
-                     else self._prefill_token_seconds)
+        per_token = self._prefill_token_seconds
         decode = _nearest(self._decode_seconds, decoding)
         if per_token is None or decode is None:  # nothing measured yet: a whole chunk
             return chunk
@@ -545,10 +546,12 @@ class Engine:
         """Prefill the batch's tokens in one call (several prompts' chunks, ragged)."""
         t0 = time.perf_counter()
         logits = self.prefill([(g[0].seq_id, take) for g, take in batch])
-        n = sum(len(take) for _, take in batch)
-        self._prefill_token_seconds = _ema(self._prefill_token_seconds,
-                                           (time.perf_counter() - t0) / n)
+        self._time_prefill(sum(len(take) for _, take in batch), time.perf_counter() - t0)
         self._finish_prefill(batch, logits, events)
+
+    def _time_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= min(PREFILL_TIMING_TOKENS, self.cache.prefill_chunk_size):
+            self._prefill_token_seconds = _ema(self._prefill_token_seconds, seconds / tokens)
 
     def _mixed_step(self, batch: list, running: list, events: list) -> None:
         """One prefill call for the batch's prompt chunks and each running sequence's next token
@@ -558,12 +561,8 @@ class Engine:
         chunks += [(r.seq_id, [r.output_ids[-1]]) for r in running]
         t0 = time.perf_counter()
         logits = self.prefill(chunks)
-        seconds = time.perf_counter() - t0
-        n = sum(len(take) for _, take in batch)
-        decode = _nearest(self._decode_seconds, len(running))
-        if decode is not None:  # what the prompt tokens added to a decode-only step
-            extra = min(max(seconds - decode, 0.05 * seconds), seconds) / n
-            self._mixed_token_seconds = _ema(self._mixed_token_seconds, extra)
+        self._time_prefill(len(running) + sum(len(take) for _, take in batch),
+                           time.perf_counter() - t0)
         self._accept_rows(running, logits[len(batch):], events)
         self._finish_prefill(batch, logits[:len(batch)], events)
 
@@ -679,6 +678,9 @@ def _upload_weights(path: str, table: list, tvm, device) -> list:
         if mapped is not None and end and hasattr(mapped, "madvise"):
             mapped.madvise(mmap.MADV_DONTNEED, 0, end)
     return out
+
+
+PREFILL_TIMING_TOKENS = 32  # prefill calls this long time the per-token cost
 
 
 def _ema(old: float | None, value: float, weight: float = 0.2) -> float:

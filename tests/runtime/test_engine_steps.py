@@ -87,6 +87,32 @@ def test_long_prompt_prefill_does_not_stall_running_sequences(engine, budget, mi
     assert engine.cache.free_pages() == engine.cache.total_pages
 
 
+def test_one_ragged_prefill_call_equals_each_chunk_alone(engine):
+    """Several prompts' chunks and decoding sequences' one-token chunks in one prefill call
+    (how a mixed step batches them) give each row the logits it gets alone."""
+    import numpy as np
+
+    def fresh(prompt):
+        sid = engine.cache.add()
+        if prompt:
+            engine.prefill([(sid, prompt)])
+        return sid
+
+    chunks = [([], PROMPTS[1]), ([], PROMPTS[2]), (PROMPTS[0], [44]), (PROMPTS[1], [45])]
+    alone = []
+    for before, chunk in chunks:
+        sid = fresh(before)
+        alone.append(engine.prefill([(sid, chunk)])[0])
+        engine.cache.remove(sid)
+    sids = [fresh(before) for before, _ in chunks]
+    together = engine.prefill([(sid, chunk) for sid, (_, chunk) in zip(sids, chunks)])
+    for sid in sids:
+        engine.cache.remove(sid)
+    np.testing.assert_allclose(together, np.stack(alone), rtol=1e-4, atol=1e-4)
+    assert (together.argmax(axis=1) == np.stack(alone).argmax(axis=1)).all()
+    assert engine.cache.sequences == {}
+
+
 def test_timed_prefill_slices_and_mixed_steps_keep_tokens(engine):
     """The default step budget (prompt tokens sized from measured step times) with the running
     sequences' tokens in the prefill call: several long prompts arriving while others decode

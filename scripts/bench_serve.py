@@ -16,8 +16,9 @@ Printed per system and load: output tokens/s, requests/s, time to first token p5
 inter-token latency p50/p99, ITL p99/p50 and the server's CPU milliseconds per output token
 (all its threads; the figure to compare on a shared machine, with --threads 1); plotted
 (matplotlib, the 'report' extra) as latency-throughput curves. llama.cpp's server runs at
-each --llamacpp-parallel slot count and its best per load is reported too. llama.cpp is a benchmark reference only, never a
-dependency: scripts/llamacpp_server.py builds llama-server from llama-cpp-python's sdist.
+each --llamacpp-parallel slot count and its best per load is reported too. llama.cpp is a
+benchmark reference only, never a dependency: scripts/llamacpp_server.py builds llama-server
+from llama-cpp-python's sdist.
 
 The checkpoint's tokenizer is a byte-level BPE trained to the full vocabulary (on seeded
 random words), so each generated token streams as one non-empty text chunk on both servers

@@ -110,6 +110,13 @@ def test_one_ragged_prefill_call_equals_each_chunk_alone(engine):
         engine.cache.remove(sid)
     np.testing.assert_allclose(together, np.stack(alone), rtol=1e-4, atol=1e-4)
     assert (together.argmax(axis=1) == np.stack(alone).argmax(axis=1)).all()
+    # the one-token chunks equal what the decode function gives those sequences
+    sids = [fresh(before) for before, _ in chunks[2:]]
+    decoded = engine.decode_step(sids, [chunk[0] for _, chunk in chunks[2:]])
+    for sid in sids:
+        engine.cache.remove(sid)
+    np.testing.assert_allclose(together[2:], decoded, rtol=1e-5, atol=1e-5)
+    assert (together[2:].argmax(axis=1) == decoded.argmax(axis=1)).all()
     assert engine.cache.sequences == {}
 
 

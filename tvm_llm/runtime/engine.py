@@ -522,10 +522,26 @@ class Engine:
         if self.decode_prefill_tokens:
             return min(chunk, self.decode_prefill_tokens)
         per_token = self._prefill_token_seconds
-        decode = _nearest(self._decode_seconds, decoding)
+        decode = self._decode_estimate(decoding)
         if per_token is None or decode is None:  # nothing measured yet: a whole chunk
             return chunk
-        return max(1, min(chunk, int(self.prefill_step_ratio * decode / per_token)))
+        # each decoding sequence concedes `ratio` of its step to prefill; with more sequences
+        # prefilling than decoding (a burst of arrivals), scale up: holding many prompts back to
+        # spare a few running sequences would keep the batch small for many steps
+        waiting = sum(len(g) for g in self._prefilling) + sum(len(g) for g in self._waiting)
+        share = max(1.0, waiting / decoding)
+        return max(1, min(chunk, int(self.prefill_step_ratio * share * decode / per_token)))
+
+    def _decode_estimate(self, batch: int) -> float | None:
+        """Seconds of a decode step of `batch` sequences: measured, else the nearest measured
+        batch's plus (or minus) a prefill token's cost per row of difference."""
+        if batch in self._decode_seconds:
+            return self._decode_seconds[batch]
+        if not self._decode_seconds or self._prefill_token_seconds is None:
+            return None
+        near = min(self._decode_seconds, key=lambda k: abs(k - batch))
+        return max(self._decode_seconds[near] + (batch - near) * self._prefill_token_seconds,
+                   self._decode_seconds[near] * min(1.0, batch / near))
 
     def _prefill_batch(self, decoding: int, mixed: bool) -> list:
         """[(group, prompt tokens)] to prefill this step, oldest group first, within the step's
@@ -561,8 +577,12 @@ class Engine:
         chunks += [(r.seq_id, [r.output_ids[-1]]) for r in running]
         t0 = time.perf_counter()
         logits = self.prefill(chunks)
-        self._time_prefill(len(running) + sum(len(take) for _, take in batch),
-                           time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        n = sum(len(take) for _, take in batch)
+        self._time_prefill(len(running) + n, seconds)
+        if self._prefill_token_seconds is not None:  # the decode's share of the call
+            decode = min(seconds, max(0.3 * seconds, seconds - n * self._prefill_token_seconds))
+            _ema_into(self._decode_seconds, len(running), decode)
         self._accept_rows(running, logits[len(batch):], events)
         self._finish_prefill(batch, logits[:len(batch)], events)
 
@@ -689,15 +709,6 @@ def _ema(old: float | None, value: float, weight: float = 0.2) -> float:
 
 def _ema_into(table: dict, key, value: float) -> None:
     table[key] = _ema(table.get(key), value)
-
-
-def _nearest(table: dict, key):
-    """table[key], else the value at the nearest key measured (None if nothing is)."""
-    if key in table:
-        return table[key]
-    if not table:
-        return None
-    return table[min(table, key=lambda k: abs(k - key))]
 
 
 def _is_id_list(p) -> bool:

@@ -120,6 +120,44 @@ def test_one_ragged_prefill_call_equals_each_chunk_alone(engine):
     assert engine.cache.sequences == {}
 
 
+def test_step_prefill_budget_follows_the_measured_times(engine):
+    """The budget arithmetic on given timings: ratio x decode step / prefill token, scaled by
+    waiting over decoding sequences, capped at the chunk; a fixed count wins; nothing decoding
+    -> a whole chunk."""
+    chunk = engine.cache.prefill_chunk_size
+    saved = (dict(engine._decode_seconds), engine._prefill_token_seconds, engine.prefill_step_ratio)
+    try:
+        engine._decode_seconds.clear()
+        engine._decode_seconds[2] = 0.02
+        engine._prefill_token_seconds = 0.004
+        engine.prefill_step_ratio = 1.0
+        assert engine._step_prefill_room(0) == chunk
+        assert engine._step_prefill_room(2) == 5  # 0.02 / 0.004
+        engine.prefill_step_ratio = 0.5
+        assert engine._step_prefill_room(2) == 2
+        assert engine._step_prefill_room(4) == 3  # batch 4 estimated as 0.02 + 2 x 0.004
+        engine._prefill_token_seconds = 1.0
+        assert engine._step_prefill_room(2) == 1  # at least one token a step
+        engine._prefill_token_seconds = 1e-9
+        assert engine._step_prefill_room(2) == chunk
+        engine._prefill_token_seconds = 0.004
+        engine.prefill_step_ratio = 1.0
+        ids = [engine.add(PROMPTS[0], max_new_tokens=2)[0] for _ in range(6)]
+        try:
+            assert engine._step_prefill_room(2) == min(chunk, 15)  # 6 waiting / 2 decoding
+        finally:
+            for rid in ids:
+                engine.abort(rid)
+        engine.decode_prefill_tokens = 7
+        assert engine._step_prefill_room(2) == 7
+    finally:
+        engine.decode_prefill_tokens = None
+        engine._decode_seconds.clear()
+        engine._decode_seconds.update(saved[0])
+        engine._prefill_token_seconds, engine.prefill_step_ratio = saved[1], saved[2]
+    assert not engine.has_work()
+
+
 def test_timed_prefill_slices_and_mixed_steps_keep_tokens(engine):
     """The default step budget (prompt tokens sized from measured step times) with the running
     sequences' tokens in the prefill call: several long prompts arriving while others decode

@@ -612,7 +612,10 @@ class Engine:
             events.append(self._accept(r, logits[i], None if greedy is None else int(greedy[i])))
 
     def _accept(self, r: _Request, row: np.ndarray, greedy: int | None = None) -> "TokenEvent":
-        token = greedy if greedy is not None and r.params.temperature == 0 else sample(row, r.params, r.rng)
+        if greedy is not None and r.params.temperature == 0:
+            token = greedy
+        else:
+            token = sample(row, r.params, r.rng)
         r.output_ids.append(token)
         logprob = top = None
         if r.logprobs is not None:

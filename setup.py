@@ -24,6 +24,8 @@ setup(
         "ziglang",  # LLVM-22 ld.lld for ROCm code objects and cross links
         "starlette>=0.37,<2",  # tvm-llm serve: ASGI routes and server-sent events
         "uvicorn>=0.30,<1",  # tvm-llm serve: the ASGI server (graceful SIGTERM drain)
+        "uvloop>=0.19,<1; sys_platform != 'win32'",  # serve: uvicorn's faster event loop
+        "httptools>=0.6,<1",  # serve: uvicorn's C HTTP parser (h11 otherwise: more CPU per token)
         "jinja2>=3.1,<4",  # chat templates, rendered in jinja2's sandbox
         "prometheus-client>=0.20,<1",  # tvm-llm serve: /metrics
     ],

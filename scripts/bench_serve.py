@@ -13,10 +13,12 @@ official `openai` client, streamed:
   - loads: a closed loop of N concurrent clients (each sends its next request when the last
     one ends) for N in --clients, then Poisson arrivals at each rate in --rates (req/s).
 Printed per system and load: output tokens/s, requests/s, time to first token p50/p99,
-inter-token latency p50/p99 and ITL p99/p50; plotted (matplotlib, the 'report' extra) as
-latency-throughput curves. llama.cpp's server runs at each --llamacpp-parallel slot count and
-its best per load is reported too. llama.cpp is a benchmark reference only, never a
-dependency: scripts/llamacpp_server.py builds llama-server from llama-cpp-python's sdist.
+inter-token latency p50/p99, ITL p99/p50 and the server's CPU milliseconds per output token
+(all its threads; the figure to compare on a shared machine, with --threads 1); plotted
+(matplotlib, the 'report' extra) as latency-throughput curves. llama.cpp's server runs at
+each --llamacpp-parallel slot count and its best per load is reported too. llama.cpp is a
+benchmark reference only, never a dependency: scripts/llamacpp_server.py builds llama-server
+from llama-cpp-python's sdist.
 
 The checkpoint's tokenizer is a byte-level BPE trained to the full vocabulary (on seeded
 random words), so each generated token streams as one non-empty text chunk on both servers
@@ -155,14 +157,15 @@ def _wait_healthy(url: str, proc, timeout: float = 600) -> None:
 
 
 class TvmServer:
-    def __init__(self, out: str, threads: int, max_batch: int, step_prefill: int | None = None):
+    def __init__(self, out: str, threads: int, max_batch: int, step_prefill: int | None = None,
+                 extra: tuple = ()):
         self.name = "tvm_llm serve"
         wt = os.path.dirname(HERE)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([wt, os.environ.get("PYTHONPATH", "")]))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tvm_llm.cli", "serve", out, "--port", "0", "--threads",
              str(threads), "--max-batch-size", str(max_batch), "--model-name", "model"]
-            + (["--step-prefill-tokens", str(step_prefill)] if step_prefill else []),
+            + (["--step-prefill-tokens", str(step_prefill)] if step_prefill else []) + list(extra),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         line = self.proc.stdout.readline()
         m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
@@ -302,32 +305,53 @@ def summarize(results: list) -> dict:
     return s
 
 
-def run_loads(url: str, trace: list, args) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) a process has used so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_loads(url: str, trace: list, args, pid: int) -> dict:
+    """Each load's figures, with the server's CPU milliseconds per output token: on a shared
+    machine that moves far less than tokens/s (with --threads 1, no thread spins while it waits
+    for another, so it is close to the work done per token)."""
     out = {}
     one_request(__import__("openai").OpenAI(base_url=url + "/v1", api_key="x", max_retries=0),
                 trace[0][0], 4)  # warm-up
+
+    def measured(results, cpu0):
+        s = summarize(results)
+        if s:
+            s["cpu_ms_tok"] = (cpu_seconds(pid) - cpu0) * 1e3 / max(1, s["tokens"])
+        return s
+
     for n in args.clients:
         count = max(args.requests, 2 * n)
-        out[f"closed N={n}"] = summarize(closed_loop(url, trace, n, count))
+        cpu0 = cpu_seconds(pid)
+        out[f"closed N={n}"] = measured(closed_loop(url, trace, n, count), cpu0)
         log(f"  closed N={n}: {out[f'closed N={n}']['tok_s']:.1f} tok/s")
     for rate in args.rates:
-        out[f"poisson {rate:g}/s"] = summarize(poisson(url, trace, rate, args.requests, args.seed))
+        cpu0 = cpu_seconds(pid)
+        out[f"poisson {rate:g}/s"] = measured(poisson(url, trace, rate, args.requests, args.seed), cpu0)
         log(f"  poisson {rate:g}/s: {out[f'poisson {rate:g}/s']['tok_s']:.1f} tok/s")
     return out
 
 
 # ----------------------------------------------------------------------------- report
 def print_table(results: dict) -> None:
-    cols = ("tok_s", "req_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "itl_ratio")
+    cols = ("tok_s", "req_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "itl_ratio",
+            "cpu_ms_tok")
     head = ["system", "load", "out tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-            "ITL p99 ms", "ITL p99/p50"]
+            "ITL p99 ms", "ITL p99/p50", "server CPU ms/tok"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for system, loads in results.items():
         for load, s in loads.items():
             if not s:
                 continue
-            vals = [s[c] * (1000 if c.startswith(("ttft", "itl_p")) else 1) for c in cols]
+            vals = [s.get(c, float("nan")) * (1000 if c.startswith(("ttft", "itl_p")) else 1)
+                    for c in cols]
             print(f"| {system} | {load} | " + " | ".join(f"{v:.2f}" if v < 10 else f"{v:.1f}"
                                                       for v in vals) + " |")
 
@@ -389,7 +413,13 @@ def main(argv=None) -> int:
     ap.add_argument("--llamacpp-parallel", default="4,16",
                     help="llama-server --parallel settings to try ('' = skip llama.cpp)")
     ap.add_argument("--step-prefill-tokens", type=int, default=None,
-                    help="tvm-llm serve --step-prefill-tokens (default: a whole prefill chunk)")
+                    help="tvm-llm serve --step-prefill-tokens (default: the server's, sized by "
+                    "--step-prefill-ratio)")
+    ap.add_argument("--step-prefill-ratio", type=float, default=None,
+                    help="tvm-llm serve --step-prefill-ratio (default: the server's, 1)")
+    ap.add_argument("--no-mixed-steps", action="store_true", help="tvm-llm serve --no-mixed-steps")
+    ap.add_argument("--max-batch-size", type=int, default=None,
+                    help="tvm_llm build's and server's max batch (default: the most --clients)")
     ap.add_argument("--no-amx", action="store_true", help="llama.cpp build without AMX (Intel)")
     ap.add_argument("--plot", default=None, help="write the latency-throughput curves to this PNG")
     ap.add_argument("--json", default=None, help="write all figures to this JSON file")
@@ -397,7 +427,7 @@ def main(argv=None) -> int:
     args.clients = [int(x) for x in args.clients.split(",") if x]
     args.rates = [float(x) for x in args.rates.split(",") if x]
     parallel = [int(x) for x in args.llamacpp_parallel.split(",") if x]
-    max_batch = max(args.clients)
+    max_batch = args.max_batch_size or max(args.clients)
     context = 2 * (args.prompt_len + args.gen_len) + 16  # the longest trace request fits
 
     print(f"# cpu: {_cpu_name()}; threads {args.threads}; {args.shape} {args.quantization}; "
@@ -412,10 +442,12 @@ def main(argv=None) -> int:
     results = {}
 
     out = tvm_build(ckpt, args.shape, args.quantization, max_batch, context)
-    server = TvmServer(out, args.threads, max(args.clients), args.step_prefill_tokens)
+    extra = (["--step-prefill-ratio", str(args.step_prefill_ratio)]
+             if args.step_prefill_ratio else []) + (["--no-mixed-steps"] if args.no_mixed_steps else [])
+    server = TvmServer(out, args.threads, max_batch, args.step_prefill_tokens, extra)
     log(f"{server.name} at {server.url}")
     try:
-        results[server.name] = run_loads(server.url, trace, args)
+        results[server.name] = run_loads(server.url, trace, args, server.proc.pid)
     finally:
         server.stop()
 
@@ -428,7 +460,7 @@ def main(argv=None) -> int:
             server = LlamaServer(model, args.threads, p, context)
             log(f"{server.name} at {server.url}")
             try:
-                results[server.name] = run_loads(server.url, trace, args)
+                results[server.name] = run_loads(server.url, trace, args, server.proc.pid)
             finally:
                 server.stop()
 
@@ -437,12 +469,15 @@ def main(argv=None) -> int:
     solo, eight = tvm.get("closed N=1"), tvm.get("closed N=8")
     if solo and eight:
         print(f"# batched decode: tvm_llm at 8 clients {eight['tok_s']:.1f} tok/s = "
-              f"{eight['tok_s'] / solo['tok_s']:.2f}x one client's {solo['tok_s']:.1f}")
+              f"{eight['tok_s'] / solo['tok_s']:.2f}x one client's {solo['tok_s']:.1f}; server "
+              f"CPU per token {solo['cpu_ms_tok']:.2f} -> {eight['cpu_ms_tok']:.2f} ms "
+              f"({solo['cpu_ms_tok'] / eight['cpu_ms_tok']:.2f}x less)")
     best = best_llamacpp(results)
     for load, s in best.items():
         if load in tvm and tvm[load]:
             print(f"# {load}: tvm_llm / llama.cpp best ({s['system']}) output tok/s = "
-                  f"{tvm[load]['tok_s'] / s['tok_s']:.2f}x")
+                  f"{tvm[load]['tok_s'] / s['tok_s']:.2f}x; CPU per token "
+                  f"{tvm[load]['cpu_ms_tok']:.2f} vs {s['cpu_ms_tok']:.2f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)

@@ -96,6 +96,7 @@ def _serve(args) -> None:
     serve(args.output_dir, host=args.host, port=args.port, api_key=args.api_key,
           max_batch_size=args.max_batch_size, threads=args.threads, max_waiting=args.max_waiting,
           model_name=args.model_name, step_prefill_tokens=args.step_prefill_tokens,
+          step_prefill_ratio=args.step_prefill_ratio, mixed_steps=not args.no_mixed_steps,
           log=lambda *a: print(*a, flush=True))
 
 
@@ -187,6 +188,7 @@ _temperature = _number(float, 0.0, 100.0, what="a temperature in [0, 100] (0 = g
 _top_p = _number(float, 0.0, 1.0, lo_open=True, what="a probability in (0, 1]")
 _cosine = _number(float, -1.0, 1.0, what="a cosine in [-1, 1]")
 _fraction = _number(float, 0.0, 1.0, what="a fraction in [0, 1]")
+_step_ratio = _number(float, 0.0, 100.0, lo_open=True, what="a ratio in (0, 100]")
 _page_size = _number(int, 1, MAX_INT, what="a power of two from 8 to 128")
 _bits_per_weight = _number(float, 1.0, 32.0, what="bits per weight in [1, 32]")
 _port = _number(int, 0, 65535, what="a TCP port in [0, 65535]")
@@ -378,7 +380,15 @@ def make_parser() -> argparse.ArgumentParser:
                     help="CPU threads (default: all cores, or $TVM_NUM_THREADS)")
     sv.add_argument("--step-prefill-tokens", type=_positive_int, default=None,
                     help="prompt tokens prefilled per step while other sequences decode "
-                    "(default: the build's prefill chunk); smaller evens out inter-token latency")
+                    "(default: sized by --step-prefill-ratio; the build's prefill chunk size "
+                    "gives the fastest first token, at uneven inter-token latency)")
+    sv.add_argument("--step-prefill-ratio", type=_step_ratio, default=1.0,
+                    help="while sequences decode, prefill as many prompt tokens per step as "
+                    "add about this fraction of a decode step's measured time (default 1: a "
+                    "step that prefills takes about two decode steps; 0.5 evens inter-token "
+                    "latency more, at a later first token)")
+    sv.add_argument("--no-mixed-steps", action="store_true",
+                    help="prefill prompts in a call of their own, not in the decode's call")
     sv.set_defaults(func=_serve)
 
     v = sub.add_parser("verify", help="compare a build with transformers, layer by layer",

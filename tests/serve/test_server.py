@@ -142,7 +142,10 @@ def test_seed_n_and_stop_strings(server, engine):
 
 
 def test_16_concurrent_streams_equal_their_solo_runs(server, engine):
-    prompts = [[3 + i, 40 + 3 * i, 77, 5 + i, 9] * (1 + i % 3) for i in range(16)]
+    # every fourth prompt is longer than the build's 64-token prefill chunk: it is prefilled in
+    # slices over several steps, riding in the decoding sequences' calls (the server defaults)
+    prompts = [[3 + i, 40 + 3 * i, 77, 5 + i, 9] * (1 + i % 3) * (9 if i % 4 == 0 else 1)
+               for i in range(16)]
     alone = [engine.generate_ids([p], max_new_tokens=24, ignore_eos=True)[0] for p in prompts]
     expected = [engine.decode(x) for x in alone]
     client = server.client()
@@ -243,7 +246,8 @@ def test_api_key_missing_template_and_full_queue(chat_build, tmp_path):
     out = str(tmp_path / "tiny-plain")
     shutil.copytree(chat_build, out)
     os.remove(os.path.join(out, "chat_template.jinja"))
-    s = Server(out, "--api-key", "sesame", "--max-batch-size", "1", "--max-waiting", "1")
+    s = Server(out, "--api-key", "sesame", "--max-batch-size", "1", "--max-waiting", "1",
+               "--step-prefill-ratio", "0.5", "--no-mixed-steps")
     try:
         body = {"model": s.model, "prompt": "a", "max_tokens": 2}
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "sesame"}):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -117,9 +118,21 @@ class Engine:
         self._running: list = []  # requests decoding one token per step
         self._requests: dict = {}  # request id -> _Request, until its last event is taken
         self._next_rid = 0
-        # prompt tokens prefilled per step while other sequences decode (None: a whole chunk);
-        # smaller evens out their inter-token latency, at some prefill throughput
+        # Prompt tokens prefilled per step while other sequences decode. None (the default):
+        # as many as fit in `prefill_step_ratio` of a decode step's measured time, so a step that
+        # also prefills is at most that much longer than one that only decodes (the running
+        # sequences' inter-token latency stays even); an int fixes the count (the build's
+        # prefill chunk size: a whole chunk per step, the fastest time to first token).
         self.decode_prefill_tokens: int | None = None
+        self.prefill_step_ratio = 1.0
+        # While a prompt is prefilled, the running sequences' next tokens ride in the same
+        # prefill call (one pass over the weights, one VM call); False: a separate decode call.
+        self.mixed_steps = True
+        self._decode_seconds: dict = {}  # batch size -> EMA of a decode call's seconds
+        # EMA of seconds per token of prefill calls of at least PREFILL_TIMING_TOKENS tokens:
+        # what one more token costs a call, once the call's fixed cost (a pass over the
+        # weights) is spread over many
+        self._prefill_token_seconds: float | None = None
         self._update_stats()
 
     # -------------------------------------------------------------- tokenizer
@@ -314,25 +327,37 @@ class Engine:
 
     def step(self) -> list:
         """One scheduler iteration: admit waiting prompts while slots and pages allow, prefill at
-        most one chunk (prefill_chunk_size tokens, packed from the admitted prompts, so a long
-        prompt holds running sequences up by one chunk at most), then decode every running
-        sequence in one batched call. Finished sequences free their pages at once. Returns the
+        most one chunk (packed from the admitted prompts; while sequences decode, only as many
+        tokens as `decode_prefill_tokens` or the measured time budget allow, so a long prompt
+        holds running sequences up by a slice of a step), and decode every running sequence:
+        in the same prefill call as the prompt tokens when there are any (`mixed_steps`),
+        else in one batched decode call. Finished sequences free their pages at once. Returns the
         events of this step: one TokenEvent per produced token, and error events for requests
         that can never fit the page pool (PagePoolFull; they are dropped)."""
         with self._lock:
             events: list = []
             self._admit(events)
-            self._prefill_chunk(events)
-            self._retire()
             if self._running:
                 self._make_room(events)
-            if self._running:
-                running = list(self._running)
-                logits = self.decode_step([r.seq_id for r in running],
-                                          [r.output_ids[-1] for r in running])
-                for row, r in zip(logits, running):
-                    events.append(self._accept(r, row))
+            running = list(self._running)
+            mixed = self.mixed_steps and 0 < len(running) < self.cache.prefill_chunk_size
+            batch = self._prefill_batch(len(running), mixed)
+            if batch and mixed:
+                self._mixed_step(batch, running, events)
+            else:
+                if batch:
+                    self._prefill_groups(batch, events)
                 self._retire()
+                if self._running:
+                    self._make_room(events)
+                if self._running:
+                    running = list(self._running)
+                    t0 = time.perf_counter()
+                    logits = self.decode_step([r.seq_id for r in running],
+                                              [r.output_ids[-1] for r in running])
+                    _ema_into(self._decode_seconds, len(running), time.perf_counter() - t0)
+                    self._accept_rows(running, logits, events)
+            self._retire()
             for e in events:
                 r = self._requests.get(e.request_id)
                 if r is not None and r.buffer:
@@ -489,23 +514,81 @@ class Engine:
             need += -(-(have + len(g[0].pending) + 1) // ps) - -(-have // ps) + len(g) - 1
         return need
 
-    def _prefill_chunk(self, events: list) -> None:
-        """Prefill up to one chunk of tokens (at most `decode_prefill_tokens` while sequences are
-        decoding, when set) from the prefilling groups, oldest first; a group
-        whose prompt is complete samples its first tokens (forking its other samples) and runs."""
-        room = self.cache.prefill_chunk_size
-        if self._running and self.decode_prefill_tokens:
-            room = min(room, self.decode_prefill_tokens)  # keep the running sequences' step short
+    def _step_prefill_room(self, decoding: int) -> int:
+        """Prompt tokens this step may prefill while `decoding` sequences decode in it."""
+        chunk = self.cache.prefill_chunk_size
+        if not decoding:
+            return chunk
+        if self.decode_prefill_tokens:
+            return min(chunk, self.decode_prefill_tokens)
+        per_token = self._prefill_token_seconds
+        decode = self._decode_estimate(decoding)
+        if per_token is None or decode is None:  # nothing measured yet: a whole chunk
+            return chunk
+        # each decoding sequence concedes `ratio` of its step to prefill; with more sequences
+        # prefilling than decoding (a burst of arrivals), scale up: holding many prompts back to
+        # spare a few running sequences would keep the batch small for many steps
+        waiting = sum(len(g) for g in self._prefilling) + sum(len(g) for g in self._waiting)
+        share = max(1.0, waiting / decoding)
+        return max(1, min(chunk, int(self.prefill_step_ratio * share * decode / per_token)))
+
+    def _decode_estimate(self, batch: int) -> float | None:
+        """Seconds of a decode step of `batch` sequences: measured, else the nearest measured
+        batch's plus (or minus) a prefill token's cost per row of difference."""
+        if batch in self._decode_seconds:
+            return self._decode_seconds[batch]
+        if not self._decode_seconds or self._prefill_token_seconds is None:
+            return None
+        near = min(self._decode_seconds, key=lambda k: abs(k - batch))
+        return max(self._decode_seconds[near] + (batch - near) * self._prefill_token_seconds,
+                   self._decode_seconds[near] * min(1.0, batch / near))
+
+    def _prefill_batch(self, decoding: int, mixed: bool) -> list:
+        """[(group, prompt tokens)] to prefill this step, oldest group first, within the step's
+        room (and, when the decoding sequences share the call, the prefill chunk size)."""
+        room = self._step_prefill_room(decoding)
+        if mixed:
+            room = min(room, self.cache.prefill_chunk_size - decoding)
         batch = []
         for g in self._prefilling:
-            if room == 0:
+            if room <= 0:
                 break
             take = g[0].pending[:room]
             batch.append((g, take))
             room -= len(take)
-        if not batch:
-            return
+        return batch
+
+    def _prefill_groups(self, batch: list, events: list) -> None:
+        """Prefill the batch's tokens in one call (several prompts' chunks, ragged)."""
+        t0 = time.perf_counter()
         logits = self.prefill([(g[0].seq_id, take) for g, take in batch])
+        self._time_prefill(sum(len(take) for _, take in batch), time.perf_counter() - t0)
+        self._finish_prefill(batch, logits, events)
+
+    def _time_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= min(PREFILL_TIMING_TOKENS, self.cache.prefill_chunk_size):
+            self._prefill_token_seconds = _ema(self._prefill_token_seconds, seconds / tokens)
+
+    def _mixed_step(self, batch: list, running: list, events: list) -> None:
+        """One prefill call for the batch's prompt chunks and each running sequence's next token
+        (a one-token chunk at its position): the prompt rides on the decode's pass over the
+        weights instead of a pass of its own."""
+        chunks = [(g[0].seq_id, take) for g, take in batch]
+        chunks += [(r.seq_id, [r.output_ids[-1]]) for r in running]
+        t0 = time.perf_counter()
+        logits = self.prefill(chunks)
+        seconds = time.perf_counter() - t0
+        n = sum(len(take) for _, take in batch)
+        self._time_prefill(len(running) + n, seconds)
+        if self._prefill_token_seconds is not None:  # the decode's share of the call
+            decode = min(seconds, max(0.3 * seconds, seconds - n * self._prefill_token_seconds))
+            _ema_into(self._decode_seconds, len(running), decode)
+        self._accept_rows(running, logits[len(batch):], events)
+        self._finish_prefill(batch, logits[:len(batch)], events)
+
+    def _finish_prefill(self, batch: list, logits: np.ndarray, events: list) -> None:
+        """Advance each group past the tokens just prefilled; a group whose prompt is complete
+        samples its first tokens (forking its other samples) and runs."""
         for row, (g, take) in zip(logits, batch):
             lead = g[0]
             lead.pending = lead.pending[len(take):]
@@ -522,8 +605,17 @@ class Engine:
             if lead.finish_reason == "abort":
                 self._free(lead)
 
-    def _accept(self, r: _Request, row: np.ndarray) -> "TokenEvent":
-        token = sample(row, r.params, r.rng)
+    def _accept_rows(self, requests: list, logits: np.ndarray, events: list) -> None:
+        """One token per request from its row of logits; greedy rows share one argmax call."""
+        greedy = logits.argmax(axis=1) if any(r.params.temperature == 0 for r in requests) else None
+        for i, r in enumerate(requests):
+            events.append(self._accept(r, logits[i], None if greedy is None else int(greedy[i])))
+
+    def _accept(self, r: _Request, row: np.ndarray, greedy: int | None = None) -> "TokenEvent":
+        if greedy is not None and r.params.temperature == 0:
+            token = greedy
+        else:
+            token = sample(row, r.params, r.rng)
         r.output_ids.append(token)
         logprob = top = None
         if r.logprobs is not None:
@@ -609,6 +701,17 @@ def _upload_weights(path: str, table: list, tvm, device) -> list:
         if mapped is not None and end and hasattr(mapped, "madvise"):
             mapped.madvise(mmap.MADV_DONTNEED, 0, end)
     return out
+
+
+PREFILL_TIMING_TOKENS = 32  # prefill calls this long time the per-token cost
+
+
+def _ema(old: float | None, value: float, weight: float = 0.2) -> float:
+    return value if old is None else (1 - weight) * old + weight * value
+
+
+def _ema_into(table: dict, key, value: float) -> None:
+    table[key] = _ema(table.get(key), value)
 
 
 def _is_id_list(p) -> bool:

@@ -444,7 +444,7 @@ def create_app(state: ServerState) -> Starlette:
 def serve(out_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_batch_size: int | None = None, threads: int | None = None, max_waiting: int = 256,
           model_name: str | None = None, step_prefill_tokens: int | None = None,
-          log=print) -> None:
+          step_prefill_ratio: float = 1.0, mixed_steps: bool = True, log=print) -> None:
     """Load OUT and answer OpenAI requests until SIGTERM/SIGINT (then drain and return)."""
     import uvicorn
 
@@ -452,6 +452,8 @@ def serve(out_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str 
 
     engine = Engine(out_dir, num_threads=threads, max_batch_size=max_batch_size)
     engine.decode_prefill_tokens = step_prefill_tokens
+    engine.prefill_step_ratio = step_prefill_ratio
+    engine.mixed_steps = mixed_steps
     model_id = model_name or os.path.basename(os.path.normpath(os.path.abspath(out_dir)))
     state = ServerState(engine, model_id, api_key, max_waiting)
     try:

@@ -3,8 +3,8 @@
 HTTP handlers never touch the Engine. They `submit` a prompt (a Handle comes back at once)
 and read the Handle's asyncio queue; the thread drains its inbox (new prompts, cancellations)
 between steps, calls `Engine.step()` (admit waiting prompts, prefill at most one chunk, decode
-every running sequence in one batched call, retire finished ones), and hands each handle its
-events through the event loop. So requests join and leave the batch at any step, and a
+every running sequence in one batched call, retire finished ones), and hands the step's
+events to the event loop in one call. So requests join and leave the batch at any step, and a
 cancelled request (a client that went away) gives its pages back before the next step.
 """
 from __future__ import annotations
@@ -138,8 +138,12 @@ class Scheduler:
                     batches.setdefault(id(handle), (handle, []))[1].append(e)
                     if e.finish_reason is not None:
                         del self._handles[e.request_id]
+                # one wake-up of the event loop per step, not one per request
+                by_loop: dict = {}
                 for handle, evs in batches.values():
-                    handle.loop.call_soon_threadsafe(handle.queue.put_nowait, evs)
+                    by_loop.setdefault(handle.loop, []).append((handle.queue, evs))
+                for loop, items in by_loop.items():
+                    loop.call_soon_threadsafe(_deliver, items)
                 if self.on_step is not None:
                     self.on_step(events, elapsed)
         except BaseException as e:  # the engine failed: fail every open request, mark unhealthy
@@ -148,3 +152,9 @@ class Scheduler:
                 handle.loop.call_soon_threadsafe(handle.queue.put_nowait,
                                                  RuntimeError(f"the engine failed: {e!r}"))
             self._handles.clear()
+
+
+def _deliver(items: list) -> None:
+    """On the event loop: hand each request its step's events."""
+    for queue, evs in items:
+        queue.put_nowait(evs)

@@ -19,3 +19,63 @@ def test_moe_logits_and_greedy_tokens_match_transformers(arch, built, hf_model):
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_moe_ragged_batch_decodes_like_each_prompt_alone(arch, built):
     e2e.test_ragged_batch_decodes_like_each_prompt_alone(arch, built)
+
+
+class _MLPOut(torch.nn.Module):
+    """GptOssMLP returns (hidden, router scores): the hidden states alone."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        return self.mlp(x)[0]
+
+
+def test_gpt_oss_expert_block_matches_transformers():
+    """gpt-oss's experts (interleaved gate/up with biases, clamped swiglu with sigmoid(alpha g),
+    transposed weights) and its router (bias, softmax over the top-k logits): the block traced
+    with the experts through tvm_llm::moe_experts, compiled for the CPU with our schedules,
+    against transformers' GptOssMLP on the same weights, for 1, 3 and 9 tokens."""
+    import transformers as T
+    import tvm
+    from tvm import relax
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from schedules.cpu import cpu_schedule_pass
+    from tvm_llm.frontend.moe import use_tvm_experts
+    from tvm_llm.frontend.moe_relax import moe_converter
+    from tvm_llm.targets import get_target
+
+    torch.manual_seed(0)
+    cfg = T.GptOssConfig(**{**COMMON, "head_dim": 16}, num_local_experts=4, num_experts_per_tok=2,
+                         swiglu_limit=1.5)
+    mlp = T.models.gpt_oss.modeling_gpt_oss.GptOssMLP(cfg).eval()
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(0.3 * torch.randn_like(p))
+    xs = {n: torch.randn(1, n, cfg.hidden_size) for n in (1, 3, 9)}
+    with torch.no_grad():
+        want = {n: mlp(x)[0].numpy() for n, x in xs.items()}
+    # the clamp limit is reached: the test covers both sides of it
+    gate_up = torch.cat([x.reshape(-1, cfg.hidden_size) for x in xs.values()]) @ mlp.experts.gate_up_proj[0]
+    assert (gate_up.abs() > cfg.swiglu_limit).any()
+
+    assert use_tvm_experts(mlp) == 1
+    seq = torch.export.Dim("seq", min=1, max=64)
+    with torch.no_grad():
+        ep = torch.export.export(_MLPOut(mlp), (xs[3],), dynamic_shapes={"x": {1: seq}}, strict=False)
+    mod = from_exported_program(ep, custom_convert_map=moe_converter())
+    spec = get_target("llvm")
+    target = spec.tvm_target()
+    with target, tvm.transform.PassContext(opt_level=3):
+        mod = relax.transform.LegalizeOps()(mod)
+        mod = cpu_schedule_pass(spec)(mod)
+        moe = [gv.name_hint for gv, f in mod.functions_items() if gv.name_hint.startswith("moe_gemm")]
+        assert len(moe) == 2 and all(mod[n].attrs.get("tirx.is_scheduled") for n in moe)
+        ex = tvm.compile(mod, target=target)
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    for n, x in xs.items():
+        got = vm["main"](tvm.runtime.tensor(x.numpy()))[0].numpy()  # a 1-tuple: the hidden states
+        assert got.shape == want[n].shape
+        assert np.abs(got - want[n]).max() < 1e-4, n

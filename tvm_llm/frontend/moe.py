@@ -143,7 +143,7 @@ def use_tvm_experts(model) -> int:
     for m in found:
         experts_gating(m)  # refuse an unknown gating before tracing
     ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, tvm_experts_forward)
-    configs = {id(model.config): model.config}
+    configs = {id(model.config): model.config} if hasattr(model, "config") else {}
     for m in found:
         configs[id(m.config)] = m.config
     for cfg in list(configs.values()):

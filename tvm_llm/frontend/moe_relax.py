@@ -23,28 +23,19 @@ OPAQUE = 8  # relax OpPatternKind.kOpaque: never fused with neighbours
 
 def moe_gemm_func(k_in: int, n_out: int, n_experts: int, x_dtype: str, w_dtype: str):
     """y[r, n] = sum_j x[r, j] * w[expert[r], j, n] for a symbolic number of rows r."""
-    from tvm.script import tirx as T
+    from tvm import te, tirx
 
-    K, N, E = k_in, n_out, n_experts
-
-    @T.prim_func(private=True, check_well_formed=False)
-    def moe_gemm(var_x: T.handle, var_e: T.handle, w: T.Buffer((T.int64(E), T.int64(K), T.int64(N)), w_dtype),
-                 var_y: T.handle):
-        T.func_attr({"op_pattern": OPAQUE, "tirx.noalias": True})
-        rows = T.int64()
-        x = T.match_buffer(var_x, (rows, T.int64(K)), x_dtype)
-        e = T.match_buffer(var_e, (rows,), "int64")
-        y = T.match_buffer(var_y, (rows, T.int64(N)), x_dtype)
-        for r, n, j in T.grid(rows, T.int64(N), T.int64(K)):
-            with T.sblock(MOE_GEMM_BLOCK):
-                vr, vn, vj = T.axis.remap("SSR", [r, n, j])
-                T.reads(x[vr, vj], e[vr], w[T.int64(0):T.int64(E), vj, vn])
-                T.writes(y[vr, vn])
-                with T.init():
-                    y[vr, vn] = T.cast(0, x_dtype)
-                y[vr, vn] = y[vr, vn] + x[vr, vj] * T.cast(w[e[vr], vj, vn], x_dtype)
-
-    return moe_gemm
+    i64 = lambda v: tirx.IntImm("int64", v)  # noqa: E731
+    rows = tirx.Var("rows", "int64")
+    x = te.placeholder((rows, i64(k_in)), x_dtype, name="x")
+    expert = te.placeholder((rows,), "int64", name="expert")
+    w = te.placeholder((i64(n_experts), i64(k_in), i64(n_out)), w_dtype, name="w")
+    j = te.reduce_axis((i64(0), i64(k_in)), name="j")
+    y = te.compute((rows, i64(n_out)),
+                   lambda r, n: te.sum(x[r, j] * w[expert[r], j, n].astype(x_dtype), axis=j),
+                   name=MOE_GEMM_BLOCK)
+    func = te.create_prim_func([x, expert, w, y]).with_attr("op_pattern", OPAQUE)
+    return func.without_attr("global_symbol")  # private: named by the module that adds it
 
 
 def _gating(bb, h, gating: str, alpha: float, limit: float):

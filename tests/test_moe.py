@@ -158,3 +158,16 @@ def test_q8_moe_build_equals_its_fake_quantized_simulation(checkpoint, hf_model,
     assert np.abs(pre - ref[:n]).max() < 1e-4
     assert np.abs(step - ref[n]).max() < 1e-4
     assert np.abs(float_experts - ref).max() > 1e-3
+
+
+def test_unknown_expert_gating_is_refused_before_tracing():
+    """An experts module whose activation the op has no lowering for: one UserError line."""
+    import transformers as T
+
+    from tvm_llm.errors import UserError
+    from tvm_llm.frontend.moe import use_tvm_experts
+
+    cfg = T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, hidden_act="tanh")
+    block = T.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(cfg)
+    with pytest.raises(UserError, match="activation 'tanh'"):
+        use_tvm_experts(block)

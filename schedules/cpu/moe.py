@@ -54,10 +54,10 @@ class MoEGemm(ScheduleRule):
 WEIGHT_PARAM = 2  # moe_gemm(x, expert, w, y)
 
 
-def _read_index(sch: s_tir.Schedule, block, param) -> int:
-    buf = sch.mod["main"].buffer_map[param] if hasattr(sch.mod["main"], "buffer_map") else None
+def _read_index(sch: s_tir.Schedule, block) -> int:
+    """Position of the weight among the block's reads (the buffer moe_relax names "w")."""
     for i, region in enumerate(sch.get(block).reads):
-        if (buf is not None and region.source.same_as(buf)) or region.source.name == "w":
+        if region.source.name == "w":
             return i
     raise ValueError("moe_gemm reads no weight buffer")
 
@@ -71,7 +71,7 @@ def schedule_moe_gemm(sch: s_tir.Schedule, block, target: Target, pack: bool) ->
         # W[e, j, n] read as Wp[e, n / nb, j, n % nb]: each thread's column block of an expert is
         # one contiguous stream (row-major, it is nb values every N; the strided stream ran at
         # a quarter of the bandwidth). The build runs this layout rewrite once (prepack.py).
-        w_read = _read_index(sch, block, sch.mod["main"].params[WEIGHT_PARAM])
+        w_read = _read_index(sch, block)
         rw = sch.cache_read(block, w_read, "global")
         sch.annotate(rw, LAYOUT_REWRITE_ATTR, True)
         sch.transform_layout(block, ("read", w_read),

@@ -70,7 +70,7 @@ def moe_converter():
         gating, alpha, limit = node.args[7], float(node.args[8]), float(node.args[9])
         tokens, hidden = x.ty.shape
         top_k = int(idx.ty.shape[1])
-        n_exp, _, two_inter = (int(s) for s in gate_up.ty.shape)
+        n_exp = int(gate_up.ty.shape[0])
         dtype = str(x.ty.dtype)
         rows = tokens * top_k
 

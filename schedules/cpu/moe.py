@@ -1,7 +1,9 @@
 """MoE rule: the grouped expert GEMM of mixture-of-experts layers (tvm_llm/frontend/moe_relax.py).
 
 Claims
-    PrimFuncs whose one block is ``moe_gemm``: ``y[r, n] = sum_j x[r, j] * W[e[r], j, n]``, the
+    PrimFuncs whose block is ``moe_gemm_dequantize`` (quantized experts, dot products over the
+    (N, K) rows of each expert; see schedule_moe_gemm_dequantize), and those whose one block is
+    ``moe_gemm``: ``y[r, n] = sum_j x[r, j] * W[e[r], j, n]``, the
     rows r sorted by their expert id e[r] (symbolic count), W the stacked (experts, in, out)
     weights. Decode has batch * top_k rows, prefill tokens * top_k.
 
@@ -25,6 +27,9 @@ from . import common
 from .gemm import LAYOUT_REWRITE_ATTR
 
 MOE_GEMM_BLOCK = "moe_gemm"  # the block name tvm_llm/frontend/moe_relax.py gives the kernel
+# quantized experts (tvm_llm/quantization/experts.py): y[r, n] = sum_k x[r, k] * deq(e[r], n, k)
+MOE_GEMM_DEQUANTIZE_BLOCK = "moe_gemm_dequantize"
+DEQUANT_ROWS = 4  # weight rows (outputs) per step: independent streams sharing one x load
 
 
 def moe_column_block(target: Target, n: int, dtype: str = "float32") -> int:
@@ -43,6 +48,15 @@ class MoEGemm(ScheduleRule):
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
             return None
         sch = s_tir.Schedule(func)
+        try:
+            block = sch.get_sblock(MOE_GEMM_DEQUANTIZE_BLOCK)
+        except Exception:  # pylint: disable=broad-except
+            block = None
+        if block is not None:
+            try:
+                return schedule_moe_gemm_dequantize(sch, block, target)
+            except Exception:  # pylint: disable=broad-except
+                return None
         try:
             block = sch.get_sblock(MOE_GEMM_BLOCK)
         except Exception:  # pylint: disable=broad-except
@@ -90,5 +104,31 @@ def schedule_moe_gemm(sch: s_tir.Schedule, block, target: Target, pack: bool) ->
         sch.vectorize(sch.get_loops(init)[-1])
     # the accumulator tile is one row's nb columns: a static stack buffer LLVM keeps in registers
     sch.transform_layout(block, ("write", 0), lambda vr, vn: (vn % nb,),
+                         assume_injective_transform=True)
+    return sch
+
+
+def schedule_moe_gemm_dequantize(sch: s_tir.Schedule, block, target: Target) -> s_tir.Schedule:
+    """Quantized experts, stored per expert as (N, K) rows grouped along K: dot products.
+    Per row of x, DEQUANT_ROWS weight rows at a time, K split into vector lanes of partial
+    sums (rfactor), the lanes summed at the end; parallel over blocks of weight rows. The
+    packed bytes of a lane vector are loaded, widened and scaled in registers."""
+    r, n, k = sch.get_loops(block)
+    n_ext, k_ext = common.loop_extent(sch, n), common.loop_extent(sch, k)
+    lanes = common.pow2_divisor(k_ext, common.vector_lanes(target, "float32"))
+    nr = common.pow2_divisor(n_ext, DEQUANT_ROWS)
+    no, ni = sch.split(n, [None, nr])
+    ko, ki = sch.split(k, [None, lanes])
+    sch.reorder(no, r, ko, ni, ki)
+    rf = sch.rfactor(ki, factor_axis=0)
+    no, r, ko, ni, ki = sch.get_loops(rf)
+    sch.reverse_compute_at(block, r)
+    sch.parallel(no)
+    sch.vectorize(ki)
+    sch.unroll(ni)
+    init = sch.decompose_reduction(rf, ko)
+    sch.vectorize(sch.get_loops(init)[-1])
+    # partial sums: [nr, lanes] per (block of weight rows, row of x), a stack tile
+    sch.transform_layout(rf, ("write", 0), lambda v_ki, v_r, v_n: (v_n % nr, v_ki),
                          assume_injective_transform=True)
     return sch

@@ -179,10 +179,11 @@ class _Quantizer(PyExprMutator):
             self.stored[(w, fmt, "experts")] = [bb.emit(relax.TupleGetItem(packed, i))
                                                 for i in range(len(shapes))]
         stored = self.stored[(w, fmt, "experts")]
-        out_dtype = str(x.ty.dtype)
-        return bb.call_te(lambda a, e, *st: experts.moe_gemm_dequantize(a, e, list(st), fmt, out_dtype),
-                          self.visit_expr(x), self.visit_expr(expert), *stored,
-                          primfunc_name_hint=f"moe_gemm_{fmt}")
+        dtype = str(x.ty.dtype)
+        gv = bb.add_func(experts.moe_gemm_dequantize_func(E, N, K, fmt, dtype), f"moe_gemm_{fmt}")
+        return bb.emit(relax.call_tir(gv, relax.Tuple([self.visit_expr(x), self.visit_expr(expert),
+                                                       *stored]),
+                                      out_ty=relax.TensorType([x.ty.shape[0], N], dtype)))
 
     def visit_call_(self, call):
         if is_op(call, "relax.call_tir") and call.args[0].name_hint.startswith("moe_gemm"):

@@ -77,3 +77,15 @@ def moe_gemm_dequantize(x: te.Tensor, expert: te.Tensor, stored: list, fmt: str,
         return te.sum(x[r, k].astype(out_dtype) * value(n, k), axis=k)
 
     return te.compute((x.shape[0], tirx.IntImm("int64", N)), body, name=MOE_GEMM_DEQUANTIZE_BLOCK)
+
+
+def moe_gemm_dequantize_func(E: int, N: int, K: int, fmt: str, dtype: str):
+    """The PrimFunc (x, expert, *stored) -> y for a symbolic number of rows, marked opaque
+    (never fused: the CPU MoE rule recognises it by its block name)."""
+    rows = tirx.Var("rows", "int64")
+    x = te.placeholder((rows, tirx.IntImm("int64", K)), dtype, name="x")
+    expert = te.placeholder((rows,), "int64", name="expert")
+    stored = [te.placeholder(s, d, name=f"stored{i}") for i, (s, d) in enumerate(stored_shapes(E, N, K, fmt))]
+    y = moe_gemm_dequantize(x, expert, stored, fmt, dtype)
+    func = te.create_prim_func([x, expert, *stored, y]).with_attr("op_pattern", 8)  # kOpaque
+    return func.without_attr("global_symbol")

@@ -87,12 +87,15 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--keep", metavar="DIR", help="build into DIR and keep the builds (e.g. for "
+                   "scripts/profile_step.py DIR/moe-out)")
     args = p.parse_args(argv)
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     import tvm_llm
 
     moe_cfg, dense_cfg = shapes(args)
-    with tempfile.TemporaryDirectory(prefix="bench_moe_") as root:
+    with tempfile.TemporaryDirectory(prefix="bench_moe_") as tmp:
+        root = args.keep or tmp
         models = {}
         for kind, cfg in (("moe", moe_cfg), ("dense", dense_cfg)):
             path, total, read = make_checkpoint(kind, cfg, root)

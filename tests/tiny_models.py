@@ -30,10 +30,17 @@ def _configs():
         "qwen3": lambda: T.Qwen3Config(**{**COMMON, "head_dim": 16}),
         "gemma2": lambda: T.Gemma2Config(**{**COMMON, "head_dim": 16, "sliding_window": 4}),
         "mistral_sw": lambda: T.MistralConfig(**{**COMMON, "sliding_window": 8}),
+        # mixtures of experts: 4 experts, top-2 (qwen2_moe: with a shared expert and its gate)
+        "mixtral": lambda: T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+        "qwen2_moe": lambda: T.Qwen2MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=48),
+        "olmoe": lambda: T.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2),
     }
 
 
 ARCHS = ("llama", "qwen2", "gemma", "phi3", "gpt2", "gpt_neox")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "olmoe")
 # half-precision builds are also tested on Qwen3 (per-head q/k RMSNorm before attention)
 HALF_ARCHS = ARCHS + ("qwen3",)
 

@@ -4,6 +4,8 @@ Rules, tried in order (the first that claims a PrimFunc schedules it):
 
 * :class:`.gemm.GEMM`: weight matmuls over a packed weight panel (prefill GEMM and decode GEMV)
   when the build lets the weight change layout (``layout_free_buffers``), and NN matmuls;
+* :class:`.moe.MoEGemm`: the grouped expert GEMM of mixture-of-experts layers (weights indexed
+  by each row's expert id);
 * :class:`.gemv.GEMV`: NT weight matmuls over the row-major (N, K) weight;
 * :class:`.reduction.RowReduction`: RMSNorm / LayerNorm / softmax (row reductions + elementwise);
 * :class:`.elementwise.Elementwise`: injective kernels (RoPE, adds, casts, transposes, take);
@@ -19,9 +21,10 @@ def cpu_rules(prepack="auto"):
     from .elementwise import Elementwise
     from .gemm import GEMM
     from .gemv import GEMV
+    from .moe import MoEGemm
     from .reduction import RowReduction
 
-    return [GEMM(prepack=prepack), GEMV(), RowReduction(), Elementwise(),
+    return [MoEGemm(), GEMM(prepack=prepack), GEMV(), RowReduction(), Elementwise(),
             dl.cpu.GEMV(), dl.cpu.Reduction()]
 
 

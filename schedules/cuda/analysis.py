@@ -153,7 +153,9 @@ class AnnotateSymbolicBounds:
                 out = [f for o in out for f in (o.fields if hasattr(o, "fields") else [o])]
                 shapes = [getattr(a.ty, "shape", None) for a in args] + [getattr(o, "shape", None) for o in out]
                 mapping = found.setdefault(gvar, {})
-                for buf_shape, shape in zip((p.shape for p in prim.params), shapes):
+                # (a handle parameter, e.g. of TVM's sort kernels, has no shape: skipped)
+                for buf_shape, shape in zip((getattr(p, "shape", None) or () for p in prim.params),
+                                            shapes):
                     if shape is None or not hasattr(shape, "values"):
                         continue
                     for dim, rdim in zip(buf_shape, shape.values):

@@ -21,11 +21,13 @@ def import_model(model, *, dtype: str, context_window: int, max_batch_size: int,
     from .attention import use_paged_attention
     from .exporter import export_logits_model
     from .mla import use_latent_attention
+    from .moe import use_tvm_experts
     from .relax_import import add_kv_cache_creation, specialize, to_relax
 
     model = model.to(getattr(torch, dtype)).eval()
     use_paged_attention(model, context_window)
     use_latent_attention(model)  # DeepSeek MLA layers: the latent goes to the cache (mla.py)
+    use_tvm_experts(model)
     ep = export_logits_model(model, max_seq=max(context_window, prefill_chunk_size))
     vocab = model.config.get_text_config().vocab_size
     imported = to_relax(ep, vocab, dtype)

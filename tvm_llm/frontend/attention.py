@@ -19,7 +19,8 @@ ATTN_IMPLEMENTATION = "tvm_paged"
 # kwargs transformers passes that carry no attention semantics the cache must honour
 _HARMLESS_KWARGS = {"position_ids", "use_cache", "cache_position", "output_attentions",
                     "position_embeddings", "is_causal", "cu_seq_lens_q", "cu_seq_lens_k",
-                    "max_length_q", "max_length_k", "output_hidden_states"}
+                    "max_length_q", "max_length_k", "output_hidden_states",
+                    "output_router_logits"}  # MoE models: the router logits output (unused)
 
 
 @torch.library.custom_op("tvm_llm::paged_attention", mutates_args=())

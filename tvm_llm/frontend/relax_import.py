@@ -217,15 +217,18 @@ def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
     from tvm.relax.frontend.torch import from_exported_program
 
     from .mla import mla_converters
+    from .moe_relax import moe_converter
 
     _refuse_complex_ops(ep)
+
     layers: dict = {}
     cache_var = rx.Var("paged_kv_cache", rx.ObjectType())
     mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,
                                 custom_convert_map={
                                     **_half_precision_converters(),
                                     **_attention_converter(layers, cache_var, dtype),
-                                    **mla_converters(layers, cache_var, dtype)})
+                                    **mla_converters(layers, cache_var, dtype),
+                                    **moe_converter()})
     func = mod["main"]
     n_in = int(func.attrs["num_input"])
     sources = _weight_sources(ep)
@@ -257,8 +260,9 @@ def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
     attrs["num_input"] = n_in + 1
     forward = rx.Function(params[:n_in] + [cache_var] + params[n_in:], func.body, func.ret_ty,
                           func.is_pure, tvm.ir.DictAttrs(attrs))
-    return ImportedModel(tvm.IRModule({"forward": forward}), names, weights, attn, vocab_size,
-                         relax_names)
+    kernels = {gv: f for gv, f in mod.functions_items() if gv.name_hint != "main"}  # e.g. moe_gemm
+    return ImportedModel(tvm.IRModule({"forward": forward, **kernels}), names, weights, attn,
+                         vocab_size, relax_names)
 
 
 def _bf16():
@@ -312,6 +316,9 @@ def specialize(mod, max_batch: int, max_tokens: int):
     # all came from one function: give each its own variables (passes need SSA per module)
     out = tvm.IRModule({"prefill": copy_with_new_vars(prefill), "decode": copy_with_new_vars(decode),
                         "hidden_states": copy_with_new_vars(hidden)})
+    for gv, func in mod.functions_items():  # TIR kernels the converters added (moe_gemm)
+        if gv.name_hint != "forward":
+            out[gv] = func
     # prefill/decode: forward the logits binding, drop the hidden-state stacking
     out = rx.transform.CanonicalizeBindings()(out)
     return rx.transform.DeadCodeElimination(["prefill", "decode", "hidden_states"])(out)
@@ -369,8 +376,8 @@ def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target, page_si
             # in the vector loop): left to TVM's default lowering, serial and correct
             if "fused_rope" in {gv.name_hint for gv in kv_mod.get_global_vars()}:
                 kv_mod["fused_rope"] = kv_mod["fused_rope"].with_attr("tirx.is_scheduled", True)
-    for gv, func in mod.functions_items():
-        kv_mod[gv.name_hint] = func
+    for gv, func in mod.functions_items():  # the same GlobalVars: prefill calls its kernels by them
+        kv_mod[gv] = func
     return kv_mod
 
 

@@ -16,6 +16,8 @@ The format of a merged linear (q|k|v, gate|up) is `plan.format_for(names)`; "flo
 the format cannot store, or a name matching `--keep-float` stays float (and keeps
 FuseTransposeMatmul's plain NT matmul). Run after MergeParallelLinear and before
 FuseTransposeMatmul.
+The grouped expert GEMMs of MoE layers (call_tir of moe_gemm) get their stacked expert weights
+quantized the same way, expert by expert (quantization/experts.py, weight-only).
 """
 from __future__ import annotations
 
@@ -150,7 +152,43 @@ class _Quantizer(PyExprMutator):
             self.stored[cache] = emit_quantize_weight(self.builder_, w_new, fmt, layout, key, N, K)
         return self.stored[cache]
 
+    def _experts(self, call):
+        """A MoE layer's grouped expert GEMM (frontend/moe_relax.py) with its stacked expert
+        weight quantized (quantization/experts.py), or None (left float)."""
+        from ..quantization import experts
+
+        x, expert, w = call.args[1].fields
+        if w not in self.weights or str(w.ty.dtype) not in FLOAT_DTYPES:
+            return None
+        E, K, N = (int(d) for d in w.ty.shape)
+        names = self._source_names(w)
+        key = ",".join(names)
+        fmt = FLOAT if self.scheme.keeps_float(names) else self.scheme.plan.format_for(names)
+        if fmt == FLOAT or not get_format(fmt).applies_to(N, K):
+            self.report.setdefault("kept_float", {})[key] = [E * N, K]
+            return None
+        # shape: the experts' rows stacked, so the report's bits count every expert
+        self.report.setdefault("quantized", {})[key] = {
+            "shape": [E * N, K], "format": fmt, "activations": "float", "experts": E}
+        bb = self.builder_
+        if (w, fmt, "experts") not in self.stored:
+            shapes = experts.stored_shapes(E, N, K, fmt)
+            ty = relax.TupleType([relax.TensorType(sh, d) for sh, d in shapes])
+            packed = bb.emit(relax.call_pure_packed(experts.QUANTIZE_EXPERTS_FUNC, self.visit_expr(w),
+                                                    tvm.ir.StringImm(fmt), ty_args=ty))
+            self.stored[(w, fmt, "experts")] = [bb.emit(relax.TupleGetItem(packed, i))
+                                                for i in range(len(shapes))]
+        stored = self.stored[(w, fmt, "experts")]
+        dtype = str(x.ty.dtype)
+        gv = bb.add_func(experts.moe_gemm_dequantize_func(E, N, K, fmt, dtype), f"moe_gemm_{fmt}")
+        return bb.emit(relax.call_tir(gv, relax.Tuple([self.visit_expr(x), self.visit_expr(expert),
+                                                       *stored]),
+                                      out_ty=relax.TensorType([x.ty.shape[0], N], dtype)))
+
     def visit_call_(self, call):
+        if is_op(call, "relax.call_tir") and call.args[0].name_hint.startswith("moe_gemm"):
+            out = self._experts(call)
+            return out if out is not None else super().visit_call_(call)
         if is_op(call, "relax.take"):
             out = self._embedding(call)
             return out if out is not None else super().visit_call_(call)

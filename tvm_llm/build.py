@@ -273,7 +273,9 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
             "kv_cache": {"page_size": page_size, "max_batch_size": max_batch_size,
                          "max_total_seq_len": kv_cache_tokens,
                          "prefill_chunk_size": prefill_chunk_size,
-                         "context_window": context_window},
+                         "context_window": context_window,
+                         # every layer slides with this window: sequences drop older pages
+                         "sliding_window": attn.sliding_window},
             "memory": memory.to_dict(),
             "tokenizer": _tokenizer_info(model_dir, config),
             "nonfinite_weights": nonfinite,

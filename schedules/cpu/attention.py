@@ -482,3 +482,33 @@ def prefill_ragged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim
                 finish(o, m, den, mx, output, lse, row, hk * G, sinks, sm_scale)
 
     return prefill_ragged_attention
+
+
+def for_gpu(func, threads: int = 64):
+    """The same kernel for a GPU: its parallel loop over items becomes blocks of `threads`
+    threads, one item per thread, and vector loops become serial ones. Correct, not fast: it
+    serves models whose attention variants TVM's GPU kernels cannot compute (per-layer tables:
+    windows by position, soft-caps, sinks), under the names of the kernels it replaces."""
+    import tvm
+    import tvm_ffi
+
+    def serial(loop):
+        if loop.kind == tirx.ForKind.VECTORIZED:
+            return tirx.For(loop.loop_var, loop.min, loop.extent, tirx.ForKind.SERIAL, loop.body,
+                            None, loop.annotations)
+        return loop
+
+    def bind(loop):
+        if loop.kind != tirx.ForKind.PARALLEL:
+            return loop
+        bx, tx = tirx.Var("bx", "int32"), tirx.Var("tx", "int32")
+        blocks = (loop.extent + threads - 1) // threads
+        body = tirx.SeqStmt([tirx.Bind(loop.loop_var, bx * threads + tx),
+                             tirx.IfThenElse(loop.loop_var < loop.extent, loop.body, None)])
+        inner = tirx.For(tx, 0, threads, tirx.ForKind.THREAD_BINDING, body, tirx.IterVar(
+            tvm.ir.Range(0, threads), tx, tirx.IterVar.ThreadIndex, "threadIdx.x"))
+        return tirx.For(bx, 0, blocks, tirx.ForKind.THREAD_BINDING, inner, tirx.IterVar(
+            tvm.ir.Range(0, blocks), bx, tirx.IterVar.ThreadIndex, "blockIdx.x"))
+
+    func = tvm_ffi.structural_map(func, [(tirx.For, serial)])
+    return tvm_ffi.structural_map(func, [(tirx.For, bind)])

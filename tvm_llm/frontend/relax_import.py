@@ -400,6 +400,8 @@ def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target, page_si
             # in the vector loop): left to TVM's default lowering, serial and correct
             if "fused_rope" in {gv.name_hint for gv in kv_mod.get_global_vars()}:
                 kv_mod["fused_rope"] = kv_mod["fused_rope"].with_attr("tirx.is_scheduled", True)
+    elif attn.variants:  # TVM's GPU kernels know no per-layer windows, soft-caps or sinks
+        _add_gpu_variant_attention(kv_mod, attn, dtype)
     for gv, func in mod.functions_items():
         kv_mod[gv.name_hint] = func
     return kv_mod
@@ -443,3 +445,28 @@ def _add_cpu_paged_attention(kv_mod, shape: tuple, page_size: int, table) -> Non
         if name not in names:  # TVM renamed a kernel: fail the build, never mismatch at run time
             raise RuntimeError(f"TVM's paged KV cache has no kernel named {name}")
         kv_mod[name] = func
+
+
+def _add_gpu_variant_attention(kv_mod, attn: AttentionShape, dtype: str) -> None:
+    """GPU builds of a model with attention variants: our CPU kernels with their per-layer table
+    (schedules/cpu/attention.py), one GPU thread per (row, KV head) item (`for_gpu`), in place of
+    TVM's decode, paged prefill and ragged prefill kernels (GPU pages hold 16 tokens)."""
+    from schedules.cpu.attention import (decode_attention_func, for_gpu,
+                                         prefill_paged_attention_func,
+                                         prefill_ragged_attention_func)
+
+    shape = (attn.num_kv_heads, attn.num_heads, attn.head_dim, dtype)
+    table = attn.layer_table()
+    kernels = {
+        "batch_decode_paged_kv": decode_attention_func(*shape, 16, table),
+        "batch_decode_paged_kv_sliding_window": decode_attention_func(*shape, 16, table, True),
+        "batch_prefill_paged_kv": prefill_paged_attention_func(*shape, 16, table),
+        "batch_prefill_paged_kv_sliding_window": prefill_paged_attention_func(*shape, 16, table,
+                                                                              True),
+        "batch_prefill_ragged_kv": prefill_ragged_attention_func(*shape, table),
+    }
+    names = {gv.name_hint for gv in kv_mod.get_global_vars()}
+    for name, func in kernels.items():
+        if name not in names:  # TVM renamed a kernel: fail the build, never mismatch at run time
+            raise RuntimeError(f"TVM's paged KV cache has no kernel named {name}")
+        kv_mod[name] = for_gpu(func).with_attr("global_symbol", name)

@@ -35,6 +35,25 @@ def kernels():
     return {k: tvm.compile(tvm.IRModule({"main": f}), target=target)["main"] for k, f in funcs.items()}
 
 
+@pytest.fixture(scope="module")
+def gpu_kernels():
+    """The GPU form of the kernels (for_gpu: one thread per item), threads serialised to run
+    on the CPU: the code CUDA/ROCm builds of models with variants compile."""
+    import tvm
+
+    from schedules.cpu.attention import (LayerTable, decode_attention_func, for_gpu,
+                                         prefill_paged_attention_func,
+                                         prefill_ragged_attention_func)
+    from schedules.cuda.verify import build_serial_on_cpu
+
+    table = LayerTable(SCALES, WINDOWS, CAPS, SINKS)
+    funcs = {"decode": decode_attention_func(H_KV, H_QO, D, "float32", PAGE, table),
+             "paged": prefill_paged_attention_func(H_KV, H_QO, D, "float32", PAGE, table),
+             "ragged": prefill_ragged_attention_func(H_KV, H_QO, D, "float32", table)}
+    del tvm
+    return {k: build_serial_on_cpu(for_gpu(f))["main"] for k, f in funcs.items()}
+
+
 def _reference(q, k, v, layer):
     """(s, H_QO, D) outputs of the reference op over one whole sequence (all rows causal)."""
     out = torch.ops.tvm_llm.paged_attention_variant(
@@ -105,6 +124,15 @@ def test_reference_op_matches_transformers_gpt_oss_sinks_and_gemma2_softcap():
 
 @pytest.mark.parametrize("layer", [0, 1])
 def test_decode_over_pages_with_the_query_in_the_cache(kernels, layer):
+    _check_decode(kernels, layer)
+
+
+def test_gpu_form_of_the_kernels(gpu_kernels):
+    _check_decode(gpu_kernels, 0)
+    _check_prefill(gpu_kernels, 0)
+
+
+def _check_decode(kernels, layer):
     rng = np.random.default_rng(1 + layer)
     lengths = (13, 3, 20)
     seqs = [_seq(n, rng) for n in lengths]
@@ -124,6 +152,10 @@ def test_decode_over_pages_with_the_query_in_the_cache(kernels, layer):
 def test_ragged_prefill_then_paged_prefill_merged(kernels, layer):
     """Prompts continued: cached tokens in pages (paged prefill kernel) and the new tokens among
     themselves (ragged kernel); the sink is added once, by the ragged kernel."""
+    _check_prefill(kernels, layer)
+
+
+def _check_prefill(kernels, layer):
     rng = np.random.default_rng(3 + layer)
     cached, new = (9, 0, 17), (6, 4, 3)
     seqs = [_seq(c + n, rng) for c, n in zip(cached, new)]

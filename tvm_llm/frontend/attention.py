@@ -107,6 +107,9 @@ class AttentionGuard:
         return out, None
 
 
+# gpt-oss passes its MoE flag to attention too (no attention semantics)
+_HARMLESS_KWARGS = _HARMLESS_KWARGS | {"output_router_logits"}
+
 # attention variants transformers passes as keyword arguments (see _layer_variant)
 _VARIANT_KWARGS = {"sliding_window", "softcap", "s_aux"}
 

@@ -354,7 +354,7 @@ def plan_memory(mod=None, *, weights=None, activations: ActivationPlan | None = 
                      f"needs {full} pages = {fmt_bytes(full * per_token * page_size)} of KV cache per "
                      "sequence; the context window is not taken from it")
     if sliding_window:
-        notes.append(f"every layer slides with a {sliding_window}-token window: a sequence holds at "
+        notes.append(f"every layer slides with a window of {sliding_window} tokens: a sequence holds at "
                      f"most {pages_for_tokens(sliding_window, page_size) + 1} pages, whatever its "
                      "length (the pages behind the window return to the pool)")
     elif sliding_layers:

@@ -85,13 +85,6 @@ def test_pickle_only_checkpoint(tmp_path, checkpoint):
     _assert_refused(tmp_path, d, expect="only pickle weights (pytorch_model.bin)")
 
 
-@pytest.mark.parametrize("arch,expect", [("gemma2", "softcapping"),
-                                         ("mistral_sw", "sliding attention window of 8 tokens")])
-def test_unsupported_attention_feature(tmp_path, arch, expect):
-    d = tiny_models.make_checkpoint(arch, str(tmp_path / "ck"))
-    _assert_refused(tmp_path, d, expect=expect)
-
-
 def test_invalid_target(tmp_path, checkpoint):
     _assert_refused(tmp_path, checkpoint("llama"), "--target", "tpu", expect="unknown target 'tpu'")
 

@@ -30,6 +30,10 @@ def _configs():
         "qwen3": lambda: T.Qwen3Config(**{**COMMON, "head_dim": 16}),
         "gemma2": lambda: T.Gemma2Config(**{**COMMON, "head_dim": 16, "sliding_window": 4}),
         "mistral_sw": lambda: T.MistralConfig(**{**COMMON, "sliding_window": 8}),
+        # 2 local (window 4) : 1 global, as Gemma 3's 5 : 1 pattern, in three layers
+        "gemma3_text": lambda: T.Gemma3TextConfig(**{
+            **COMMON, "num_hidden_layers": 3, "head_dim": 16, "sliding_window": 4,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}),
         # mixtures of experts: 4 experts, top-2 (qwen2_moe: with a shared expert and its gate)
         "mixtral": lambda: T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
         "qwen2_moe": lambda: T.Qwen2MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2,

@@ -231,7 +231,7 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
         num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, v_head_dim=attn.v_head_dim,
         dtype=dtype, device_type=spec.device_type, budget=budget, max_batch_size=max_batch_size,
         prefill_chunk_size=prefill_chunk_size, page_size=page_size,
-        max_position_embeddings=max_pos, **asked)
+        max_position_embeddings=max_pos, **asked, **planner.sliding_of(attn))
     from .report import format_memory
 
     log(format_memory(memory.to_dict()))
@@ -273,7 +273,9 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
             "kv_cache": {"page_size": page_size, "max_batch_size": max_batch_size,
                          "max_total_seq_len": kv_cache_tokens,
                          "prefill_chunk_size": prefill_chunk_size,
-                         "context_window": context_window},
+                         "context_window": context_window,
+                         # every layer slides with this window: sequences drop older pages
+                         "sliding_window": attn.sliding_window},
             "memory": memory.to_dict(),
             "tokenizer": _tokenizer_info(model_dir, config),
             "nonfinite_weights": nonfinite,

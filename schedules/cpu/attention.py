@@ -13,15 +13,99 @@ calls it unchanged) and:
   then the weighted V rows;
 * requires the rotary embedding to be applied before the cache (our import uses
   RopeMode.NONE, see tvm_llm/frontend/relax_import.py); rotary_mode is ignored.
+
+Per-layer attention variants (`LayerTable`): sliding windows, logit soft-capping (Gemma 2) and
+attention sinks (gpt-oss). The cache calls one kernel for every layer and hands it only the
+`sm_scale` our import passed for that layer, so a model with variants passes a *layer code*
+there instead, -(layer + 1), and the kernels look the layer's scale, window, soft-cap and sink
+logits up in tables compiled into them. Masks are by position (query position minus key
+position < window, as transformers' sliding masks), so they are exact whatever the cache keeps;
+a sink joins the softmax denominator once per query row, in the one partial kernel whose keys
+contain the query's own token (the cache merges partial results by their log-sum-exp).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 PAGE_SIZES = (8, 16, 32, 64, 128)  # page sizes the kernels are built for (tokens per page)
 LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class LayerTable:
+    """Per-layer attention settings compiled into the kernels (see the module docstring).
+
+    scales: softmax scale per layer; windows: sliding window per layer in tokens (0: full
+    attention; key visible when query position - key position < window); softcaps: logit
+    soft-cap per layer (0: none; score = cap * tanh(score / cap), after scaling); sinks: per
+    layer, one sink logit per query head (natural log domain), or None for a model without."""
+
+    scales: tuple
+    windows: tuple
+    softcaps: tuple
+    sinks: tuple | None = None
+
+    @property
+    def has_window(self) -> bool:
+        return any(w > 0 for w in self.windows)
+
+    @property
+    def has_softcap(self) -> bool:
+        return any(c > 0 for c in self.softcaps)
+
+
+def _lookup(index, values, dtype: str):
+    """values[index] as a balanced tree of Selects (tables are small: layers, layers x heads)."""
+    def node(lo, hi):
+        if hi - lo == 1:
+            return tirx.const(values[lo], dtype)
+        mid = (lo + hi) // 2
+        return tirx.Select(index < mid, node(lo, mid), node(mid, hi))
+
+    return node(0, len(values))
+
+
+def _layer(sm_scale):
+    """The layer a call is for, from the layer code -(layer + 1) passed as sm_scale."""
+    return T.Cast("int32", T.float32(0.5) - sm_scale) - 1
+
+
+# A layer without variants passes its plain (positive) scale even in a model with a table.
+
+def _scale2(table, sm_scale):
+    """The call's softmax scale times log2 e (scores are kept in the log2 domain)."""
+    plain = sm_scale * T.float32(LOG2E)
+    if table is None:
+        return plain
+    return T.Select(sm_scale < T.float32(0), _lookup(
+        _layer(sm_scale), [float(s) * LOG2E for s in table.scales], "float32"), plain)
+
+
+def _window(table, sm_scale):
+    if table is None or not table.has_window:
+        return tirx.const(0, "int32")
+    return T.Select(sm_scale < T.float32(0), _lookup(
+        _layer(sm_scale), [int(w) for w in table.windows], "int32"), 0)
+
+
+def _cap2(table, sm_scale):  # 0: no soft-cap
+    return T.Select(sm_scale < T.float32(0), _lookup(
+        _layer(sm_scale), [float(c) * LOG2E for c in table.softcaps], "float32"), T.float32(0))
+
+
+def _sink2(table, sm_scale, head, num_qo_heads):  # -1e30: no sink (adds exp2(-1e30) = 0)
+    flat = [float(v) * LOG2E for row in table.sinks for v in row]
+    return T.Select(sm_scale < T.float32(0), _lookup(
+        _layer(sm_scale) * num_qo_heads + head, flat, "float32"), T.float32(-1e30))
+
+
+def _window_start(window, q_pos, k_pos0):
+    """First logical key index a query at `q_pos` sees when key t sits at position k_pos0 + t."""
+    return T.Select(window > 0, T.max(q_pos - window + 1 - k_pos0, 0), 0)
 
 
 def _lanes(D: int) -> int:
@@ -31,28 +115,33 @@ def _lanes(D: int) -> int:
     return 1
 
 
-def _online_softmax_macros(G: int, D: int, L: int, dtype: str):
-    """The per-(row, KV head) attention steps both kernels share, as TVMScript macros over
+def _online_softmax_macros(G: int, D: int, L: int, dtype: str, table: LayerTable | None,
+                           H_qo: int):
+    """The per-(row, KV head) attention steps the kernels share, as TVMScript macros over
     local buffers q (G, D), o (G, D), m (G,), den (G,), s (block,), part (L,), mx (1,):
 
-    * start: load the G query rows (pre-scaled by sm_scale * log2 e), zero the state;
-    * block: score `ntok` keys (vectorized dot products), one online-softmax rescale, add the
-      weighted value rows; keys and values are read through flat views of the cache, token t
-      at `base + t * stride` (the paged cache and the ragged K/V lay tokens out differently);
-    * finish: normalize, write the output rows and their log2-sum-exp.
+    * start: load the G query rows (pre-scaled by the layer's scale * log2 e), zero the state;
+    * block: score `ntok` keys (vectorized dot products, soft-capped where the layer says so),
+      one online-softmax rescale, add the weighted value rows; keys and values are read
+      through flat views of the cache, token t at `base + t * stride` (the paged cache and the
+      ragged K/V lay tokens out differently); callers pass only the keys the masks let through;
+    * finish: add the layer's sink logits to the denominators when `add_sink` (models with
+      sinks only), normalize, write the output rows and their log2-sum-exp.
     """
+    capped = table is not None and table.has_softcap
+    sinks = table is not None and table.sinks is not None
 
     @T.macro
     def start(q, o, m, den, Q, q_row, q_head0, sm_scale):
         for g in range(G):
             for d in T.vectorized(D):
-                q[g, d] = T.Cast("float32", Q[q_row, q_head0 + g, d]) * (sm_scale * T.float32(LOG2E))
+                q[g, d] = T.Cast("float32", Q[q_row, q_head0 + g, d]) * _scale2(table, sm_scale)
                 o[g, d] = T.float32(0)
             m[g] = T.float32(-5e4)
             den[g] = T.float32(0)
 
     @T.macro
-    def block(q, o, m, den, s, part, mx, K, V, k_base, v_base, stride, ntok):
+    def block(q, o, m, den, s, part, mx, K, V, k_base, v_base, stride, ntok, sm_scale):
         for g in range(G):
             mx[0] = m[g]
             for t in range(ntok):
@@ -65,6 +154,10 @@ def _online_softmax_macros(G: int, D: int, L: int, dtype: str):
                 s[t] = T.float32(0)
                 for l in range(L):
                     s[t] = s[t] + part[l]
+                if capped:
+                    s[t] = T.Select(_cap2(table, sm_scale) > T.float32(0),
+                                    _cap2(table, sm_scale) * T.tanh(s[t] / _cap2(table, sm_scale)),
+                                    s[t])
                 mx[0] = T.max(mx[0], s[t])
             rescale = T.exp2(m[g] - mx[0])
             den[g] = den[g] * rescale
@@ -78,8 +171,16 @@ def _online_softmax_macros(G: int, D: int, L: int, dtype: str):
             m[g] = mx[0]
 
     @T.macro
-    def finish(o, m, den, out, lse, q_row, q_head0):
+    def finish(o, m, den, mx, out, lse, q_row, q_head0, add_sink, sm_scale):
         for g in range(G):
+            if sinks:
+                if add_sink:
+                    mx[0] = T.max(m[g], _sink2(table, sm_scale, q_head0 + g, H_qo))
+                    den[g] = den[g] * T.exp2(m[g] - mx[0]) + T.exp2(
+                        _sink2(table, sm_scale, q_head0 + g, H_qo) - mx[0])
+                    for d in T.vectorized(D):
+                        o[g, d] = o[g, d] * T.exp2(m[g] - mx[0])
+                    m[g] = mx[0]
             inv = T.Select(den[g] > T.float32(0), T.float32(1) / den[g], T.float32(0))
             for d in T.vectorized(D):
                 out[q_row, q_head0 + g, d] = T.Cast(dtype, o[g, d] * inv)
@@ -88,17 +189,66 @@ def _online_softmax_macros(G: int, D: int, L: int, dtype: str):
     return start, block, finish
 
 
+def _over_pages_macro(block, PAGE: int, H_kv: int, D: int):
+    """Attention of one (query row, KV head) item over a sequence's pages, keys of logical index
+    in [t_lo, t_hi) only. Logical key t lies at physical slot t + offset of the page list
+    (offset 0, except in the cache's sliding-window layout, where the slid-out slots of the
+    first page precede it; our runtime enables sliding windows with no attention-sink tokens)."""
+
+    @T.macro
+    def over_pages(q, o, m, den, s, part, mx, flat, page_values, begin, npages, last, offset,
+                   t_lo, t_hi, hk, sm_scale):
+        for p in range(npages):
+            page = page_values[begin + p]
+            ntok = T.Select(p == npages - 1, last, PAGE)
+            lo = T.max(p * PAGE, t_lo + offset)
+            hi = T.min(p * PAGE + ntok, t_hi + offset)
+            if hi > lo:
+                k_base = (((page * 2 + 0) * H_kv + hk) * PAGE + lo - p * PAGE) * D
+                v_base = (((page * 2 + 1) * H_kv + hk) * PAGE + lo - p * PAGE) * D
+                block(q, o, m, den, s, part, mx, flat, flat, k_base, v_base, D, hi - lo, sm_scale)
+
+    return over_pages
+
+
+def _length_shape(batch, sliding: bool):
+    """The cache's length info: last page lengths, or (sliding layout) rows of last page
+    length, window offset in the first page, attention-sink length."""
+    return (3, batch) if sliding else (batch,)
+
+
+def _last_page_len(length_info, b, sliding: bool):
+    return length_info[0, b] if sliding else length_info[b]
+
+
+def _window_offset(length_info, b, npages, sliding: bool):
+    return T.Select(npages > 0, length_info[1, b], 0) if sliding else 0
+
+
+def _owns_sink(table, sliding: bool, n_keys, k_pos0, q_pos):
+    """Whether this partial adds the sink: it holds the query's own key (the last one), which a
+    sliding-window layout never does (the cache attends the new tokens in the ragged kernel)."""
+    if table is None or table.sinks is None or sliding:
+        return False
+    return tirx.all(n_keys > 0, k_pos0 + n_keys - 1 == q_pos)
+
+
 def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
-                          page_size: int = 16):
+                          page_size: int = 16, table: LayerTable | None = None,
+                          sliding: bool = False):
     """`page_size`: tokens per KV page; the kernel is compiled for one (the cache's pages
-    buffer is matched with that extent, so another page size is a run-time shape error)."""
+    buffer is matched with that extent, so another page size is a run-time shape error).
+    `table`: per-layer variants (a layer code in sm_scale). `sliding`: the kernel for the
+    cache's sliding-window page layout (`batch_decode_paged_kv_cpu_sliding_window`)."""
     if page_size not in PAGE_SIZES:
         raise ValueError(f"page_size {page_size} is not one of {PAGE_SIZES}")
     PAGE = page_size
     H_kv, H_qo, D = num_kv_heads, num_qo_heads, head_dim
     G = H_qo // H_kv
     L = _lanes(D)
-    start, block, finish = _online_softmax_macros(G, D, L, dtype)
+    start, block, finish = _online_softmax_macros(G, D, L, dtype, table, H_qo)
+    over_pages = _over_pages_macro(block, PAGE, H_kv, D)
+    symbol = "batch_decode_paged_kv_cpu" + ("_sliding_window" if sliding else "")
 
     @T.prim_func(check_well_formed=False)
     def decode_attention(Q_handle: T.handle, pages_handle: T.handle,
@@ -108,7 +258,7 @@ def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, d
                          lse_handle: T.handle, rotary_mode: T.int32, rope_scale: T.float32,
                          rope_theta: T.float32, sm_scale: T.float32):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True,
-                     "global_symbol": "batch_decode_paged_kv_cpu"})  # replaces TVM's
+                     "global_symbol": symbol})  # replaces TVM's
         B = T.int32()
         nnz_pages = T.int32()
         max_num_pages = T.int32()
@@ -129,8 +279,8 @@ def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, d
                                          elem_offset=q_rope_position_elem_offset)
         output = T.match_buffer(output_handle, (B, H_qo, D), dtype)
         lse = T.match_buffer(lse_handle, (B, H_qo), "float32")
-        last_page_len = T.match_buffer(var_length_info, (B,), "int32",
-                                       elem_offset=length_info_elem_offset)
+        length_info = T.match_buffer(var_length_info, _length_shape(B, sliding), "int32",
+                                     elem_offset=length_info_elem_offset)
         flat = T.decl_buffer((max_num_pages * 2 * H_kv * PAGE * D,), dtype, data=pages.data)
 
         for bh in T.parallel(B * H_kv):
@@ -146,32 +296,125 @@ def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, d
             start(q, o, m, den, Q, b, hk * G, sm_scale)
             begin = page_table_indptr[b]
             npages = page_table_indptr[b + 1] - begin
-            for p in range(npages):
-                page = page_table_values[begin + p]
-                ntok = T.Select(p == npages - 1, last_page_len[b], PAGE)
-                k_base = ((page * 2 + 0) * H_kv + hk) * PAGE * D
-                v_base = ((page * 2 + 1) * H_kv + hk) * PAGE * D
-                block(q, o, m, den, s, part, mx, flat, flat, k_base, v_base, D, ntok)
-            finish(o, m, den, output, lse, b, hk * G)
+            last = _last_page_len(length_info, b, sliding)
+            offset = _window_offset(length_info, b, npages, sliding)
+            n_keys = T.Select(npages > 0, (npages - 1) * PAGE + last - offset, 0)
+            t_lo = _window_start(_window(table, sm_scale), q_rope_position[b], k_rope_pos_offset[b])
+            over_pages(q, o, m, den, s, part, mx, flat, page_table_values, begin, npages, last,
+                       offset, t_lo, n_keys, hk, sm_scale)
+            finish(o, m, den, mx, output, lse, b, hk * G,
+                   _owns_sink(table, sliding, n_keys, k_rope_pos_offset[b], q_rope_position[b]),
+                   sm_scale)
 
     return decode_attention
 
 
-def prefill_ragged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str):
+def prefill_paged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
+                                 page_size: int = 16, table: LayerTable | None = None,
+                                 sliding: bool = False):
+    """Replacement for TVM's `batch_prefill_paged_kv_cpu` (and its `_sliding_window` variant):
+    the new tokens of a prefill attending to their sequences' cached pages (a prompt continued,
+    a prefix shared by a fork), same signature. Items are (query row, KV head), in parallel."""
+    if page_size not in PAGE_SIZES:
+        raise ValueError(f"page_size {page_size} is not one of {PAGE_SIZES}")
+    PAGE = page_size
+    H_kv, H_qo, D = num_kv_heads, num_qo_heads, head_dim
+    G = H_qo // H_kv
+    L = _lanes(D)
+    start, block, finish = _online_softmax_macros(G, D, L, dtype, table, H_qo)
+    over_pages = _over_pages_macro(block, PAGE, H_kv, D)
+    symbol = "batch_prefill_paged_kv_cpu" + ("_sliding_window" if sliding else "")
+
+    @T.prim_func(check_well_formed=False)
+    def prefill_paged_attention(var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
+                                var_page_indptr: T.handle, var_page_values: T.handle,
+                                var_length_info: T.handle, var_k_rope_pos_offset: T.handle,
+                                var_q_rope_position: T.handle, var_output: T.handle,
+                                var_lse: T.handle, causal: T.int32, rotary_mode: T.int32,
+                                rope_scale: T.float32, rope_theta: T.float32,
+                                sm_scale: T.float32):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True,
+                     "global_symbol": symbol})  # replaces TVM's
+        batch_size = T.int32()
+        total_len = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        q_indptr_elem_offset = T.int32()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        length_info_elem_offset = T.int32()
+        q = T.match_buffer(var_q, (total_len, H_qo, D), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32",
+                                  elem_offset=q_indptr_elem_offset)
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, H_kv, PAGE, D), dtype)
+        page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32",
+                                     elem_offset=page_indptr_elem_offset)
+        page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32",
+                                     elem_offset=page_values_elem_offset)
+        length_info = T.match_buffer(var_length_info, _length_shape(batch_size, sliding), "int32",
+                                     elem_offset=length_info_elem_offset)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
+                                           elem_offset=k_rope_pos_offset_elem_offset)
+        q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32",
+                                         elem_offset=q_rope_position_elem_offset)
+        output = T.match_buffer(var_output, (total_len, H_qo, D), dtype)
+        lse = T.match_buffer(var_lse, (total_len, H_qo), "float32")
+        flat = T.decl_buffer((max_num_pages * 2 * H_kv * PAGE * D,), dtype, data=pages.data)
+
+        for item in T.parallel(total_len * H_kv):
+            qbuf = T.alloc_buffer((G, D), "float32", scope="local")
+            o = T.alloc_buffer((G, D), "float32", scope="local")
+            m = T.alloc_buffer((G,), "float32", scope="local")
+            den = T.alloc_buffer((G,), "float32", scope="local")
+            s = T.alloc_buffer((PAGE,), "float32", scope="local")
+            part = T.alloc_buffer((L,), "float32", scope="local")
+            mx = T.alloc_buffer((1,), "float32", scope="local")
+            seq = T.alloc_buffer((1,), "int32", scope="local")
+            row = item // H_kv
+            hk = item % H_kv
+            seq[0] = 0
+            for bb in range(batch_size):
+                if q_indptr[bb] <= row:
+                    seq[0] = bb
+            b = seq[0]
+            n_q = q_indptr[b + 1] - q_indptr[b]
+            begin = page_indptr[b]
+            npages = page_indptr[b + 1] - begin
+            last = _last_page_len(length_info, b, sliding)
+            offset = _window_offset(length_info, b, npages, sliding)
+            n_keys = T.Select(npages > 0, (npages - 1) * PAGE + last - offset, 0)
+            t_hi = T.Select(causal > 0, T.min(n_keys, n_keys - n_q + row - q_indptr[b] + 1), n_keys)
+            t_lo = _window_start(_window(table, sm_scale), q_rope_position[row], k_rope_pos_offset[b])
+            start(qbuf, o, m, den, q, row, hk * G, sm_scale)
+            over_pages(qbuf, o, m, den, s, part, mx, flat, page_values, begin, npages, last,
+                       offset, t_lo, t_hi, hk, sm_scale)
+            finish(o, m, den, mx, output, lse, row, hk * G,
+                   _owns_sink(table, sliding, t_hi, k_rope_pos_offset[b], q_rope_position[row]),
+                   sm_scale)
+
+    return prefill_paged_attention
+
+
+def prefill_ragged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
+                                  table: LayerTable | None = None):
     """Replacement for TVM's `tir_attention_prefill_ragged_cpu` (attention among the new tokens
     of a prefill, several sequences packed in one ragged batch), same signature.
 
     TVM's kernel is serial and scalar and scores every key, masked or not: 63% of a 128-token
     llama-110m W4A8 prefill, 87% at 512 tokens. Here each (query row, KV head) item scores only
-    its causal prefix, 16 keys at a time with one online-softmax rescale per block, vectorized
-    over the head dim; items run in parallel, rows paired from both ends of the ragged batch
-    (row j with row n-1-j) so that threads get equal causal work.
+    its causal prefix (within the layer's window), 16 keys at a time with one online-softmax
+    rescale per block, vectorized over the head dim; items run in parallel, rows paired from
+    both ends of the ragged batch (row j with row n-1-j) so that threads get equal causal work.
+    The query's own token is always among these keys, so the sink (if any) is added here.
     """
     H_kv, H_qo, D = num_kv_heads, num_qo_heads, head_dim
     G = H_qo // H_kv
     L = _lanes(D)
     BLK = 16
-    start, block, finish = _online_softmax_macros(G, D, L, dtype)
+    start, block, finish = _online_softmax_macros(G, D, L, dtype, table, H_qo)
+    sinks = table is not None and table.sinks is not None
 
     @T.prim_func(check_well_formed=False)
     def prefill_ragged_attention(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle,
@@ -228,11 +471,44 @@ def prefill_ragged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim
                 n_kv = kv_indptr[b + 1] - kv_indptr[b]
                 n_q = q_indptr[b + 1] - q_indptr[b]
                 limit = T.Select(causal > 0, T.min(n_kv, n_kv - n_q + q_idx + 1), n_kv)
+                # key j sits at position k_rope_pos_offset[b] + j, the query at q_rope_position
+                first = T.min(_window_start(_window(table, sm_scale), q_rope_position[row],
+                                            k_rope_pos_offset[b]), limit)
                 start(qbuf, o, m, den, q, row, hk * G, sm_scale)
-                for blk in range((limit + BLK - 1) // BLK):
-                    base = ((kv_indptr[b] + blk * BLK) * H_kv + hk) * D
+                for blk in range((limit - first + BLK - 1) // BLK):
+                    base = ((kv_indptr[b] + first + blk * BLK) * H_kv + hk) * D
                     block(qbuf, o, m, den, s, part, mx, k_flat, v_flat, base, base, H_kv * D,
-                          T.min(BLK, limit - blk * BLK))
-                finish(o, m, den, output, lse, row, hk * G)
+                          T.min(BLK, limit - first - blk * BLK), sm_scale)
+                finish(o, m, den, mx, output, lse, row, hk * G, sinks, sm_scale)
 
     return prefill_ragged_attention
+
+
+def for_gpu(func, threads: int = 64):
+    """The same kernel for a GPU: its parallel loop over items becomes blocks of `threads`
+    threads, one item per thread, and vector loops become serial ones. Correct, not fast: it
+    serves models whose attention variants TVM's GPU kernels cannot compute (per-layer tables:
+    windows by position, soft-caps, sinks), under the names of the kernels it replaces."""
+    import tvm
+    import tvm_ffi
+
+    def serial(loop):
+        if loop.kind == tirx.ForKind.VECTORIZED:
+            return tirx.For(loop.loop_var, loop.min, loop.extent, tirx.ForKind.SERIAL, loop.body,
+                            None, loop.annotations)
+        return loop
+
+    def bind(loop):
+        if loop.kind != tirx.ForKind.PARALLEL:
+            return loop
+        bx, tx = tirx.Var("bx", "int32"), tirx.Var("tx", "int32")
+        blocks = (loop.extent + threads - 1) // threads
+        body = tirx.SeqStmt([tirx.Bind(loop.loop_var, bx * threads + tx),
+                             tirx.IfThenElse(loop.loop_var < loop.extent, loop.body, None)])
+        inner = tirx.For(tx, 0, threads, tirx.ForKind.THREAD_BINDING, body, tirx.IterVar(
+            tvm.ir.Range(0, threads), tx, tirx.IterVar.ThreadIndex, "threadIdx.x"))
+        return tirx.For(bx, 0, blocks, tirx.ForKind.THREAD_BINDING, inner, tirx.IterVar(
+            tvm.ir.Range(0, blocks), bx, tirx.IterVar.ThreadIndex, "blockIdx.x"))
+
+    func = tvm_ffi.structural_map(func, [(tirx.For, serial)])
+    return tvm_ffi.structural_map(func, [(tirx.For, bind)])

@@ -135,6 +135,23 @@ def test_tiny_llama_pages_for_a_budget():
     assert plan.context_window == 512
 
 
+def test_sliding_window_sequences_hold_window_pages_only():
+    """Every layer slides with a 256-token window (Mistral-style): a sequence holds at most
+    ceil(256 / 16) + 1 = 17 pages at any length, so far more long sequences fit; when only some
+    layers slide (Gemma), pages follow the length and the plan says why."""
+    full = _plan_110m(budget=parse_budget("1GiB"))
+    slid = _plan_110m(budget=parse_budget("1GiB"), sliding_window=256)
+    assert slid.kv.pages == full.kv.pages
+    assert slid.pages_per_sequence(2048) == 17 and full.pages_per_sequence(2048) == 128
+    assert slid.sequences_at(2048) == slid.kv.pages // 17
+    assert slid.sequences_at(100) == slid.kv.pages // 7  # shorter than the window: its length
+    assert slid.to_dict()["sliding_window"] == 256
+    assert any("at most 17 pages" in n for n in slid.notes)
+    mixed = _plan_110m(budget=parse_budget("1GiB"), sliding_layers=6)
+    assert mixed.sequences_at(2048) == full.sequences_at(2048)
+    assert any("6 of 12 layers slide" in n for n in mixed.notes)
+
+
 def test_budget_below_weights_is_one_line_user_error():
     with pytest.raises(UserError, match=r"--max-memory 100MB \(95.4 MiB\) is below the 475.6 MiB of weights"):
         _plan_110m(budget=parse_budget("100MB"))

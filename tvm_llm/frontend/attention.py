@@ -5,8 +5,10 @@ transformers lets a model's attention be swapped by name (AttentionInterface). W
 op as one node, and the Relax converter turns that node into the paged-KV-cache attention.
 q/k arrive with RoPE already applied, so the cache never needs to know the rotary variant.
 
-Attention features the cache kernels cannot compute are refused here, at trace time, with a
-UserError: softcapping, sinks, and sliding windows shorter than the context.
+Layers with attention variants (a sliding window shorter than the context, logit soft-capping,
+attention sinks) call `tvm_llm::paged_attention_variant` instead, which carries them to the
+converter (tvm_llm/frontend/relax_import.py) and on to the CPU kernels' per-layer tables.
+Options the kernels cannot compute are refused here, at trace time, with a UserError.
 """
 from __future__ import annotations
 
@@ -43,6 +45,38 @@ def _paged_attention_fake(q, k, v, layer_id, scale):
     return q.new_empty((b, s, nh, v.shape[-1]))
 
 
+@torch.library.custom_op("tvm_llm::paged_attention_variant", mutates_args=())
+def paged_attention_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                            scale: float, window: int, softcap: float,
+                            sinks: torch.Tensor) -> torch.Tensor:
+    """paged_attention for a layer with variants: `window` (0: none; key j visible to query i
+    when i - j < window), `softcap` (0: none; scores = softcap * tanh(scores / softcap), after
+    scaling), `sinks` (one logit per query head joining the softmax denominator; an empty
+    tensor for none). The eager body is the reference computation over the current chunk."""
+    nh, nkv, s = q.shape[1], k.shape[1], q.shape[2]
+    k = k.repeat_interleave(nh // nkv, dim=1)
+    v = v.repeat_interleave(nh // nkv, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    i = torch.arange(s).view(-1, 1)
+    j = torch.arange(s).view(1, -1)
+    visible = (j <= i) & ((i - j < window) if window else True)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks.numel():
+        sink = sinks.reshape(1, nh, 1, 1).expand(q.shape[0], nh, s, 1).to(scores.dtype)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs.to(v.dtype), v).transpose(1, 2).contiguous()
+
+
+@paged_attention_variant.register_fake
+def _paged_attention_variant_fake(q, k, v, layer_id, scale, window, softcap, sinks):
+    b, nh, s, _ = q.shape
+    return q.new_empty((b, s, nh, v.shape[-1]))
+
+
 class AttentionGuard:
     """Checks each traced attention call against what the paged cache can compute."""
 
@@ -55,19 +89,9 @@ class AttentionGuard:
         if layer is None:
             raise UserError(f"attention module {type(module).__name__} has no layer_idx: this "
                             "architecture is not supported by the generic importer")
-        if kwargs.get("softcap") is not None:
-            raise UserError(f"layer {layer} uses attention logit softcapping ({kwargs['softcap']}), "
-                            "which the paged KV cache kernels cannot compute; this model is not supported")
-        if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-            raise UserError(f"layer {layer} uses attention sinks, which the paged KV cache kernels "
-                            "cannot compute; this model is not supported")
-        window = kwargs.get("sliding_window")
-        if window is not None and int(window) < self.context_window:
-            raise UserError(f"layer {layer} uses a sliding attention window of {int(window)} tokens, "
-                            f"shorter than the context window ({self.context_window}); build with "
-                            f"--context-window {int(window)} or less")
+        variant = _layer_variant(layer, self.context_window, kwargs)
         unknown = sorted(k for k, v in kwargs.items()
-                         if v is not None and k not in _HARMLESS_KWARGS and k != "sliding_window")
+                         if v is not None and k not in _HARMLESS_KWARGS and k not in _VARIANT_KWARGS)
         if unknown:
             raise UserError(f"layer {layer} passes attention options {unknown} that tvm_llm does not "
                             "know how to compute; this model is not supported")
@@ -75,8 +99,40 @@ class AttentionGuard:
             raise UserError("attention dropout is on: export the model in eval mode")
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
+        if variant is not None:
+            window, softcap, sinks = variant
+            out = torch.ops.tvm_llm.paged_attention_variant(query, key, value, int(layer),
+                                                            float(scaling), window, softcap, sinks)
+            return out, None
         out = torch.ops.tvm_llm.paged_attention(query, key, value, int(layer), float(scaling))
         return out, None
+
+
+# gpt-oss passes its MoE flag to attention too (no attention semantics)
+_HARMLESS_KWARGS = _HARMLESS_KWARGS | {"output_router_logits"}
+
+# attention variants transformers passes as keyword arguments (see _layer_variant)
+_VARIANT_KWARGS = {"sliding_window", "softcap", "s_aux"}
+
+
+def _layer_variant(layer: int, context_window: int, kwargs: dict):
+    """(window, softcap, sinks) of a layer with attention variants, or None for plain causal
+    attention. A window at least as long as the context never slides: plain attention."""
+    if kwargs.get("sinks") is not None:
+        raise UserError(f"layer {layer} passes attention sinks as `sinks`, a form tvm_llm does not "
+                        "know (gpt-oss passes `s_aux`); this model is not supported")
+    window = kwargs.get("sliding_window")
+    window = int(window) if window is not None and int(window) < context_window else 0
+    softcap = kwargs.get("softcap")
+    softcap = float(softcap) if softcap else 0.0
+    if softcap < 0:
+        raise UserError(f"layer {layer}: attention softcap {softcap} is negative")
+    sinks = kwargs.get("s_aux")
+    if sinks is None and not window and not softcap:
+        return None
+    if sinks is None:
+        sinks = torch.zeros(0)
+    return window, softcap, sinks
 
 
 def use_paged_attention(model, context_window: int) -> None:

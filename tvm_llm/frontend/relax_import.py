@@ -31,9 +31,33 @@ class AttentionShape:
     head_dim: int
     v_head_dim: int
     scales: list = field(default_factory=list)
+    # layer -> (window, softcap, sink logits per query head or None) for layers with attention
+    # variants (tvm_llm::paged_attention_variant); those layers pass a layer code as sm_scale
+    variants: dict = field(default_factory=dict)
     # multi-head latent attention (frontend/mla.py): one KV head whose K and V planes hold the
     # same latent row (c | k_pe), head_dim = kv_lora_rank + qk_rope_head_dim
     latent: bool = False
+
+    def layer_table(self):
+        """The CPU kernels' per-layer table (schedules/cpu/attention.py), None without variants."""
+        if not self.variants:
+            return None
+        from schedules.cpu.attention import LayerTable
+
+        rows = [self.variants.get(i, (0, 0.0, None)) for i in range(self.num_layers)]
+        with_sinks = any(r[2] is not None for r in rows)
+        no_sink = [-1e30] * self.num_heads  # exp(-1e30) = 0: the layer has no sink
+        return LayerTable(scales=tuple(self.scales), windows=tuple(r[0] for r in rows),
+                          softcaps=tuple(r[1] for r in rows),
+                          sinks=tuple(tuple(r[2] if r[2] is not None else no_sink) for r in rows)
+                          if with_sinks else None)
+
+    @property
+    def sliding_window(self) -> int:
+        """The window when every layer slides with the same window (the cache can then drop
+        a sequence's pages behind it); 0 otherwise (full layers keep every page)."""
+        windows = {self.variants.get(i, (0,))[0] for i in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else 0
 
 
 @dataclass
@@ -46,10 +70,12 @@ class ImportedModel:
     relax_names: dict = field(default_factory=dict)  # Relax param name -> checkpoint name
 
 
-def _attention_converter(layers: dict, cache_var, cache_dtype: str | None = None):
+def _attention_converter(layers: dict, cache_var, cache_dtype: str | None = None,
+                         sm_scale_arg=None):
     """`cache_dtype`: the KV cache's dtype (the build dtype). TVM's torch importer computes
     linears in float32 even in a float16/bfloat16 model, so q/k/v may arrive as float32: they
-    are cast to the cache's dtype on the way in, and the output back."""
+    are cast to the cache's dtype on the way in, and the output back. `sm_scale_arg(layer,
+    scale)`: what the cache call passes as sm_scale (default: the scale)."""
     from tvm import relax as rx
 
     def convert(node, importer):
@@ -75,13 +101,39 @@ def _attention_converter(layers: dict, cache_var, cache_dtype: str | None = None
         qkv = bb.emit(rx.op.reshape(qkv, [b * s, nh + 2 * nkv, d]))
         out = bb.emit(rx.call_dps_packed(
             "vm.builtin.attention_kv_cache_attention_with_fused_qkv",
-            [cache_var, rx.prim_value(layer_id), rx.prim_value(scale), qkv],
+            [cache_var, rx.prim_value(layer_id),
+             rx.prim_value(sm_scale_arg(layer_id, scale) if sm_scale_arg else scale), qkv],
             out_ty=rx.TensorType([b * s, nh, d], dtype)))
         if str(q.ty.dtype) != dtype:
             out = bb.emit(rx.op.astype(out, q.ty.dtype))
         return bb.emit(rx.op.reshape(out, [b, s, nh, d]))
 
     return {"paged_attention.default": convert}
+
+
+def _attention_variant_converter(layers: dict, variants: dict, cache_var, sources: dict,
+                                 cache_dtype: str | None = None):
+    """Converter of `tvm_llm::paged_attention_variant` (layers with a sliding window, logit
+    soft-capping or attention sinks): records the layer's variant and emits the same cache
+    call as paged_attention, with the layer code -(layer + 1) as sm_scale, by which the CPU
+    kernels find the layer's row of their table (schedules/cpu/attention.py)."""
+    plain = _attention_converter(layers, cache_var, cache_dtype,
+                                 sm_scale_arg=lambda layer, scale: float(-(layer + 1)))
+    plain = plain["paged_attention.default"]
+
+    def convert(node, importer):
+        layer_id, window, softcap = int(node.args[3]), int(node.args[5]), float(node.args[6])
+        sink_node = node.args[7]
+        sinks = None
+        if tuple(sink_node.meta["val"].shape) != (0,):
+            if sink_node.name not in sources:
+                raise UserError(f"layer {layer_id}: attention sinks are computed, not a weight; "
+                                "tvm_llm needs them as a parameter of the checkpoint")
+            sinks = [float(x) for x in sources[sink_node.name][1].detach().float().reshape(-1)]
+        variants[layer_id] = (window, softcap, sinks)
+        return plain(node, importer)
+
+    return {"paged_attention_variant.default": convert}
 
 
 def _half_precision_converters() -> dict:
@@ -222,16 +274,19 @@ def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
     _refuse_complex_ops(ep)
 
     layers: dict = {}
+    variants: dict = {}
     cache_var = rx.Var("paged_kv_cache", rx.ObjectType())
+    sources = _weight_sources(ep)
     mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,
                                 custom_convert_map={
                                     **_half_precision_converters(),
                                     **_attention_converter(layers, cache_var, dtype),
                                     **mla_converters(layers, cache_var, dtype),
-                                    **moe_converter()})
+                                    **moe_converter(),
+                                    **_attention_variant_converter(layers, variants, cache_var,
+                                                                   sources, dtype)})
     func = mod["main"]
     n_in = int(func.attrs["num_input"])
-    sources = _weight_sources(ep)
     names, weights, relax_names = [], [], {}
     for var in func.params[n_in:]:
         name, tensor = sources[var.name]
@@ -250,7 +305,7 @@ def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
         raise UserError(f"attention layers differ in heads/head dim {sorted(shapes)}; the paged "
                         "KV cache needs one shape for all layers")
     nh, nkv, d, dv = shapes.pop()
-    attn = AttentionShape(len(ids), nh, nkv, d, dv, [layers[i][4] for i in ids],
+    attn = AttentionShape(len(ids), nh, nkv, d, dv, [layers[i][4] for i in ids], variants,
                           latent=any(len(v) > 5 and v[5] == "latent" for v in layers.values()))
 
     # forward(input_ids, position_ids, logit_positions, kv_cache, *weights)
@@ -361,8 +416,11 @@ def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target, page_si
         from schedules.cpu.attention import decode_attention_func, prefill_ragged_attention_func
 
         shape = (attn.num_kv_heads, attn.num_heads, attn.head_dim, dtype)
-        kv_mod["batch_decode_paged_kv_cpu"] = decode_attention_func(*shape, page_size=page_size)
-        kv_mod["batch_prefill_ragged_kv"] = prefill_ragged_attention_func(*shape)
+        table = attn.layer_table()
+        kv_mod["batch_decode_paged_kv_cpu"] = decode_attention_func(*shape, page_size=page_size,
+                                                                    table=table)
+        kv_mod["batch_prefill_ragged_kv"] = prefill_ragged_attention_func(*shape, table=table)
+        _add_cpu_paged_attention(kv_mod, shape, page_size, table)
         if attn.latent:  # MLA: heads split over threads, values read from the K plane
             from schedules.cpu.mla_attention import latent_decode_attention_func
 
@@ -376,28 +434,22 @@ def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target, page_si
             # in the vector loop): left to TVM's default lowering, serial and correct
             if "fused_rope" in {gv.name_hint for gv in kv_mod.get_global_vars()}:
                 kv_mod["fused_rope"] = kv_mod["fused_rope"].with_attr("tirx.is_scheduled", True)
+    elif attn.variants:  # TVM's GPU kernels know no per-layer windows, soft-caps or sinks
+        _add_gpu_variant_attention(kv_mod, attn, dtype)
     for gv, func in mod.functions_items():  # the same GlobalVars: prefill calls its kernels by them
         kv_mod[gv] = func
     return kv_mod
 
 
 def _rebuild_cpu_page_kernels(kv_mod, attn: AttentionShape, dtype: str, page_size: int) -> None:
-    """TVM's own CPU page kernels (append, paged prefill, sliding-window decode, compaction)
-    for `page_size`-token pages, under the names the cache refers to. (The tree-attention
+    """TVM's own CPU page kernels (append, compaction; the attention kernels are ours, see
+    _add_cpu_paged_attention) for `page_size`-token pages, under the names the cache refers to. (The tree-attention
     kernel stays 16-token: speculative tree decoding is never used by our runtime.)"""
-    from tvm.relax.frontend.nn.llm import _decode_kernels as dk
     from tvm.relax.frontend.nn.llm import _page_kernels as pk
-    from tvm.relax.frontend.nn.llm import _prefill_kernels as fk
 
     h_kv, h_q, d = attn.num_kv_heads, attn.num_heads, attn.head_dim
     kernels = {
         "tir_kv_cache_transpose_append": pk._kv_cache_transpose_append(h_kv, d, dtype, page_size),
-        "batch_prefill_paged_kv_cpu": fk._attention_prefill_cpu(
-            h_kv, h_q, d, dtype, False, {}, page_size=page_size),
-        "batch_prefill_paged_kv_cpu_sliding_window": fk._attention_prefill_cpu(
-            h_kv, h_q, d, dtype, True, {}, page_size=page_size),
-        "batch_decode_paged_kv_cpu_sliding_window": dk._attention_decode_cpu(
-            h_kv, h_q, d, dtype, True, {}, page_size=page_size),
         "compact_kv_copy_cpu": pk._compact_kv_copy_cpu(h_kv, d, dtype, page_size),
     }
     names = {gv.name_hint for gv in kv_mod.get_global_vars()}
@@ -405,3 +457,50 @@ def _rebuild_cpu_page_kernels(kv_mod, attn: AttentionShape, dtype: str, page_siz
         if name not in names:  # TVM renamed a kernel: fail the build, never mismatch at run time
             raise RuntimeError(f"TVM's paged KV cache has no kernel named {name}")
         kv_mod[name] = func.with_attr("global_symbol", name)
+
+
+def _add_cpu_paged_attention(kv_mod, shape: tuple, page_size: int, table) -> None:
+    """Our kernels for the cache's attention over pages besides decode: the paged prefill (new
+    tokens against cached ones) and both kernels of the cache's sliding-window page layout (a
+    sequence whose pages behind its window were released), under the names the cache calls.
+    They honour the per-layer table (windows, soft-caps, sinks) like decode and ragged prefill."""
+    from schedules.cpu.attention import decode_attention_func, prefill_paged_attention_func
+
+    kernels = {
+        "batch_prefill_paged_kv_cpu": prefill_paged_attention_func(
+            *shape, page_size=page_size, table=table),
+        "batch_prefill_paged_kv_cpu_sliding_window": prefill_paged_attention_func(
+            *shape, page_size=page_size, table=table, sliding=True),
+        "batch_decode_paged_kv_cpu_sliding_window": decode_attention_func(
+            *shape, page_size=page_size, table=table, sliding=True),
+    }
+    names = {gv.name_hint for gv in kv_mod.get_global_vars()}
+    for name, func in kernels.items():
+        if name not in names:  # TVM renamed a kernel: fail the build, never mismatch at run time
+            raise RuntimeError(f"TVM's paged KV cache has no kernel named {name}")
+        kv_mod[name] = func
+
+
+def _add_gpu_variant_attention(kv_mod, attn: AttentionShape, dtype: str) -> None:
+    """GPU builds of a model with attention variants: our CPU kernels with their per-layer table
+    (schedules/cpu/attention.py), one GPU thread per (row, KV head) item (`for_gpu`), in place of
+    TVM's decode, paged prefill and ragged prefill kernels (GPU pages hold 16 tokens)."""
+    from schedules.cpu.attention import (decode_attention_func, for_gpu,
+                                         prefill_paged_attention_func,
+                                         prefill_ragged_attention_func)
+
+    shape = (attn.num_kv_heads, attn.num_heads, attn.head_dim, dtype)
+    table = attn.layer_table()
+    kernels = {
+        "batch_decode_paged_kv": decode_attention_func(*shape, 16, table),
+        "batch_decode_paged_kv_sliding_window": decode_attention_func(*shape, 16, table, True),
+        "batch_prefill_paged_kv": prefill_paged_attention_func(*shape, 16, table),
+        "batch_prefill_paged_kv_sliding_window": prefill_paged_attention_func(*shape, 16, table,
+                                                                              True),
+        "batch_prefill_ragged_kv": prefill_ragged_attention_func(*shape, table),
+    }
+    names = {gv.name_hint for gv in kv_mod.get_global_vars()}
+    for name, func in kernels.items():
+        if name not in names:  # TVM renamed a kernel: fail the build, never mismatch at run time
+            raise RuntimeError(f"TVM's paged KV cache has no kernel named {name}")
+        kv_mod[name] = for_gpu(func).with_attr("global_symbol", name)

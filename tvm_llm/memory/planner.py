@@ -142,6 +142,9 @@ class MemoryPlan:
     max_position_embeddings: int | None
     budget: Budget | None = None
     notes: list = field(default_factory=list)
+    # every layer attends to its last `sliding_window` tokens only (0: not so): the cache
+    # releases the pages behind the window, so a sequence never holds more than window pages
+    sliding_window: int = 0
 
     @property
     def weight_bytes(self) -> int:
@@ -158,7 +161,17 @@ class MemoryPlan:
         return self.model_bytes + self.runtime_reserve_bytes
 
     def sequences_at(self, context: int) -> int:
+        if self.sliding_window:
+            return self.kv.pages // self.pages_per_sequence(context)
         return self.kv.sequences_that_fit(context)
+
+    def pages_per_sequence(self, context: int) -> int:
+        """Pages one sequence of `context` tokens holds at most: its whole length, or with a
+        sliding window the window's tokens from any offset in their first page."""
+        full = pages_for_tokens(context, self.kv.page_size)
+        if self.sliding_window:
+            return min(full, pages_for_tokens(self.sliding_window, self.kv.page_size) + 1)
+        return full
 
     def to_dict(self) -> dict:
         """The manifest's "memory" section (report.format_memory prints it)."""
@@ -186,6 +199,7 @@ class MemoryPlan:
             "max_batch_size": self.max_batch_size, "prefill_chunk_size": self.prefill_chunk_size,
             "sequences_that_fit": fits,
             "concurrent_sequences": min(self.sequences_at(self.context_window), self.max_batch_size),
+            "sliding_window": self.sliding_window,
             "model_bytes": self.model_bytes, "total_bytes": self.total_bytes,
             "notes": list(self.notes),
         }
@@ -254,14 +268,18 @@ def plan_memory(mod=None, *, weights=None, activations: ActivationPlan | None = 
                 device_type: str = "cpu", budget: Budget | None = None,
                 context_window: int | None = None, kv_cache_tokens: int | None = None,
                 max_batch_size: int = 8, prefill_chunk_size: int = 512, page_size: int = 16,
-                max_position_embeddings: int | None = None) -> MemoryPlan:
+                max_position_embeddings: int | None = None, sliding_window: int = 0,
+                sliding_layers: int = 0) -> MemoryPlan:
     """The plan for a module after the static memory plan (or for given `weights` and
     `activations` without a module). `context_window` and `kv_cache_tokens` are what the user
     asked for (None: not given).
 
     With a budget the KV pool gets what is left of it: budget - weights - activations - logits
     - KV workspace - runtime reserve, in whole pages; the context window is at most what that
-    pool holds. Without one the pool holds `kv_cache_tokens` (default max(context, 4096))."""
+    pool holds. Without one the pool holds `kv_cache_tokens` (default max(context, 4096)).
+    `sliding_window`: every layer slides with this window, so a sequence holds only window
+    pages (the context may then exceed the pool); `sliding_layers`: how many layers slide when
+    not all do (their pages cannot be released: noted in the plan)."""
     check_options(budget, kv_cache_tokens)
     by_dtype, n_tensors = weights_of(weights_from_module(mod) if weights is None else weights)
     weight_bytes = sum(by_dtype.values())
@@ -305,7 +323,8 @@ def plan_memory(mod=None, *, weights=None, activations: ActivationPlan | None = 
                 f"one {min_tokens}-token chunk needs {min_pages} pages of {fmt_bytes(page_bytes)}: "
                 f"give at least {fmt_bytes(need)}")
         if context_window is not None:
-            if context_window > pool.tokens:
+            held = min(context_window, sliding_window + page_size) if sliding_window else context_window
+            if held > pool.tokens:
                 raise UserError(
                     f"--context-window {context_window} does not fit in --max-memory {budget.spec}: "
                     f"the KV pool gets {fmt_bytes(pool.bytes)} = {pool.tokens} tokens; lower "
@@ -322,7 +341,8 @@ def plan_memory(mod=None, *, weights=None, activations: ActivationPlan | None = 
         ctx = context_window or default_ctx
         source = "requested" if context_window else "default"
         pool = KVPool.from_tokens(kv_cache_tokens or max(ctx, 4096), per_token, page_size)
-        if ctx > pool.tokens:
+        held = min(ctx, sliding_window + page_size) if sliding_window else ctx
+        if held > pool.tokens:
             if context_window is not None:
                 raise UserError(f"--context-window {ctx} exceeds the KV cache's {pool.tokens} tokens "
                                 f"(--kv-cache-tokens {kv_cache_tokens}); raise --kv-cache-tokens "
@@ -333,9 +353,22 @@ def plan_memory(mod=None, *, weights=None, activations: ActivationPlan | None = 
         notes.append(f"a full {max_position_embeddings}-token context (max_position_embeddings) "
                      f"needs {full} pages = {fmt_bytes(full * per_token * page_size)} of KV cache per "
                      "sequence; the context window is not taken from it")
+    if sliding_window:
+        notes.append(f"every layer slides with a window of {sliding_window} tokens: a sequence holds at "
+                     f"most {pages_for_tokens(sliding_window, page_size) + 1} pages, whatever its "
+                     "length (the pages behind the window return to the pool)")
+    elif sliding_layers:
+        notes.append(f"{sliding_layers} of {num_layers} layers slide, but the cache's pages hold "
+                     "every layer: a sequence keeps pages for its whole length")
     return MemoryPlan(by_dtype, n_tensors, acts, logits, rows, out_dtype, vocab_size, pool, dtype,
                       workspace(pool.pages), reserve, device_type, ctx, source, max_batch_size,
-                      prefill_chunk_size, max_position_embeddings, budget, notes)
+                      prefill_chunk_size, max_position_embeddings, budget, notes, sliding_window)
+
+
+def sliding_of(attn) -> dict:
+    """plan_memory's sliding-window arguments from an import's AttentionShape."""
+    windows = [v[0] for v in getattr(attn, "variants", {}).values() if v[0]]
+    return {"sliding_window": getattr(attn, "sliding_window", 0), "sliding_layers": len(windows)}
 
 
 def plan_checkpoint(model_dir: str, target: str = "llvm", arch: str | None = None,
@@ -399,6 +432,6 @@ def plan_checkpoint(model_dir: str, target: str = "llvm", arch: str | None = Non
                        budget=budget, context_window=context_window,
                        kv_cache_tokens=kv_cache_tokens, max_batch_size=max_batch_size,
                        prefill_chunk_size=prefill_chunk_size, page_size=page_size,
-                       max_position_embeddings=max_pos)
+                       max_position_embeddings=max_pos, **sliding_of(attn))
     check_fits_machine(plan, spec.device_type)
     return plan

@@ -171,7 +171,9 @@ def check_manifest(manifest, path: str) -> None:
     total = sc.int_(kv, "max_total_seq_len", "kv_cache", lo=1, hi=1 << 31)
     ctx = sc.int_(kv, "context_window", "kv_cache", lo=1, hi=1 << 31)
     del batch, chunk
-    if ctx > total + kv["page_size"]:
+    if "sliding_window" in kv:  # older manifests have none: no sliding window
+        sc.int_(kv, "sliding_window", "kv_cache", lo=0, hi=1 << 31)
+    if ctx > total + kv["page_size"] and not kv.get("sliding_window"):  # a window: pages bounded
         sc.fail("kv_cache.context_window", f"({ctx}) exceeds the KV cache ({total} tokens)")
     tok = sc.obj(m.get("tokenizer"), "tokenizer")
     eos = tok.get("eos_token_ids", [])

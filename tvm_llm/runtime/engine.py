@@ -102,7 +102,7 @@ class Engine:
         self.cache = PagedKVCache(
             self.vm, max_batch_size or kv_cfg["max_batch_size"],
             kv_cache_tokens or kv_cfg["max_total_seq_len"], kv_cfg["prefill_chunk_size"],
-            kv_cfg["page_size"])
+            kv_cfg["page_size"], kv_cfg.get("sliding_window", 0))
         self.context_window = kv_cfg["context_window"]
         self.preemptions = 0  # sequences preempted (and recomputed) because the pool was full
         self._admissions = 0
@@ -482,7 +482,7 @@ class Engine:
         while self._waiting and len(self._waiting[0]) <= slots:
             group = self._waiting[0]
             length = len(group[0].prompt_ids) + len(group[0].output_ids)
-            need = -(-(length + 1) // ps) + len(group) - 1
+            need = cache.pages_to_grow(0, length + 1) + self._sample_pages(group, length)
             if need > budget:
                 if self._running or self._prefilling:
                     break
@@ -507,12 +507,20 @@ class Engine:
 
     def _reserved_pages(self) -> int:
         """Pages the running sequences' next token and the prefilling prompts still need."""
-        cache, ps = self.cache, self.cache.page_size
+        cache = self.cache
         need = cache.pages_needed([r.seq_id for r in self._running], [1] * len(self._running))
         for g in self._prefilling:
             have = cache.sequences[g[0].seq_id]
-            need += -(-(have + len(g[0].pending) + 1) // ps) - -(-have // ps) + len(g) - 1
+            need += (cache.pages_needed([g[0].seq_id], [len(g[0].pending) + 1])
+                     + self._sample_pages(g, have + len(g[0].pending)))
         return need
+
+    def _sample_pages(self, group: list, length: int) -> int:
+        """Pages the samples after the first take once its prompt (`length` tokens) is in: a
+        fork's own last page each, or, in a sliding-window cache (no forks), the prompt's."""
+        if self.cache.sliding_window:
+            return (len(group) - 1) * self.cache.pages_to_grow(0, length + 1)
+        return len(group) - 1
 
     def _step_prefill_room(self, decoding: int) -> int:
         """Prompt tokens this step may prefill while `decoding` sequences decode in it."""
@@ -596,7 +604,7 @@ class Engine:
                 continue
             self._prefilling.remove(g)
             for child in g[1:]:  # samples share the prompt's pages from here on
-                child.seq_id = self.cache.fork(lead.seq_id)
+                child.seq_id = self._fork_or_prefill(lead)
             for r in g:
                 if r.finish_reason == "abort":
                     continue
@@ -604,6 +612,17 @@ class Engine:
                 self._running.append(r)
             if lead.finish_reason == "abort":
                 self._free(lead)
+
+    def _fork_or_prefill(self, lead: _Request) -> int:
+        """A sequence holding `lead`'s prompt: a fork sharing its pages, or in a sliding-window
+        cache (which keeps only the window, so cannot fork) the prompt prefilled again."""
+        if not self.cache.sliding_window:
+            return self.cache.fork(lead.seq_id)
+        sid = self.cache.add()
+        ids = list(lead.prompt_ids) + lead.output_ids
+        for i in range(0, len(ids), self.cache.prefill_chunk_size):
+            self.prefill([(sid, ids[i:i + self.cache.prefill_chunk_size])])
+        return sid
 
     def _accept_rows(self, requests: list, logits: np.ndarray, events: list) -> None:
         """One token per request from its row of logits; greedy rows share one argmax call."""

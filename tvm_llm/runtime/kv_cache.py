@@ -10,6 +10,13 @@ it has already grown the sequences and taken pages (the cache is left inconsiste
 must never be reached. A sequence of n tokens owns ceil(n / page_size) pages of its last block
 (blocks before it are whole pages, shared after a fork); a fork at a length that is not a
 page multiple copies the parent's partial last page into one new page.
+
+Sliding windows: when every layer of the model attends only to its last `sliding_window` tokens
+(the manifest says so), each sequence is enabled for TVM's sliding window, so the pages behind
+the window are returned to the pool as the sequence grows: a sequence holds at most
+ceil(window / page_size) + 1 pages, whatever its length. The cache then keeps the window's
+tokens only, so such a sequence cannot be forked (TVM refuses): `fork` raises, and the engine
+prefills each sample on its own instead.
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ _GROW = "build with a larger --max-memory (or --kv-cache-tokens)"
 
 class PagedKVCache:
     def __init__(self, vm, max_batch_size: int, max_total_seq_len: int, prefill_chunk_size: int,
-                 page_size: int):
+                 page_size: int, sliding_window: int = 0):
         import tvm
         from tvm_ffi import Shape
 
@@ -30,16 +37,20 @@ class PagedKVCache:
             "kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_fork_sequence",
             "kv_state_begin_forward", "kv_state_end_forward", "kv_state_popn",
             "attention_kv_cache_get_num_available_pages",
-            "attention_kv_cache_get_total_sequence_length")}
+            "attention_kv_cache_get_total_sequence_length",
+            "attention_kv_cache_enable_sliding_window_for_seq")}
         self._shape = Shape
         self.page_size = page_size
         self.max_batch_size = max_batch_size
         self.max_total_seq_len = max_total_seq_len
         self.prefill_chunk_size = prefill_chunk_size
+        self.sliding_window = int(sliding_window)  # 0: sequences keep all their pages
         self.handle = vm["create_paged_kv_cache"](
             Shape([max_batch_size]), Shape([max_total_seq_len]), Shape([prefill_chunk_size]),
-            Shape([page_size]), Shape([0]))
+            Shape([page_size]), Shape([1 if self.sliding_window else 0]))
         self.sequences: dict = {}  # seq id -> length in tokens
+        # sliding sequences: seq id -> (tokens kept, offset of the first kept one in its page)
+        self._kept: dict = {}
         self._next_id = 0
         self.total_pages = self.free_pages()
 
@@ -51,12 +62,19 @@ class PagedKVCache:
         sid = self._new_id()
         self._f["kv_state_add_sequence"](self.handle, sid)
         self.sequences[sid] = 0
+        if self.sliding_window:
+            self._f["attention_kv_cache_enable_sliding_window_for_seq"](
+                self.handle, sid, self.sliding_window, 0)
+            self._kept[sid] = (0, 0)
         return sid
 
     def fork(self, parent: int) -> int:
         """A new sequence sharing all of `parent`'s tokens (and pages) so far."""
         if parent not in self.sequences:
             raise ValueError(f"fork: no sequence {parent} in the KV cache")
+        if self.sliding_window:
+            raise ValueError("fork: sequences of a sliding-window cache keep only their window; "
+                             "prefill the sample as a sequence of its own")
         self._check_slot()
         need = self.fork_pages(parent)
         if need > self.free_pages():
@@ -70,6 +88,7 @@ class PagedKVCache:
     def remove(self, sid: int) -> None:
         self._f["kv_state_remove_sequence"](self.handle, sid)
         del self.sequences[sid]
+        self._kept.pop(sid, None)
 
     def fork_pages(self, parent: int) -> int:
         """Pages a fork of `parent` takes: its partial last page is copied for the child."""
@@ -86,9 +105,31 @@ class PagedKVCache:
     def pages_needed(self, seq_ids: list, lengths: list) -> int:
         need = 0
         for sid, n in zip(seq_ids, lengths):
+            if sid in self._kept:
+                need += max(0, self._slide(*self._kept[sid], n)[2])
+                continue
             have = self.sequences[sid]
             need += -(-(have + n) // self.page_size) - -(-have // self.page_size)
         return need
+
+    def pages_to_grow(self, have: int, n: int) -> int:
+        """Pages a sequence of `have` tokens (not forked, not yet slid) takes to append n more."""
+        if self.sliding_window:
+            kept = min(have, self.sliding_window)
+            offset = 0 if have <= self.sliding_window else (have - self.sliding_window) % self.page_size
+            return max(0, self._slide(kept, offset, n)[2])
+        return -(-(have + n) // self.page_size) - -(-have // self.page_size)
+
+    def _slide(self, kept: int, offset: int, n: int):
+        """(kept, offset, page change) after appending n tokens to a sliding sequence, as TVM's
+        cache does it (pages grow for the new tokens, then the fully slid-out ones are freed;
+        pages borrowed for a moment while the pool is empty are taken back the same step)."""
+        ps, before = self.page_size, -(-(offset + kept) // self.page_size)
+        kept += n
+        if kept > self.sliding_window:
+            offset = (offset + kept - self.sliding_window) % ps
+            kept = self.sliding_window
+        return kept, offset, -(-(offset + kept) // ps) - before
 
     def begin(self, seq_ids: list, lengths: list) -> None:
         if len(set(seq_ids)) != len(seq_ids) or any(s not in self.sequences for s in seq_ids):
@@ -103,6 +144,8 @@ class PagedKVCache:
         self._f["kv_state_begin_forward"](self.handle, self._shape(seq_ids), self._shape(lengths))
         for sid, n in zip(seq_ids, lengths):
             self.sequences[sid] += n
+            if sid in self._kept:
+                self._kept[sid] = self._slide(*self._kept[sid], n)[:2]
 
     def end(self) -> None:
         self._f["kv_state_end_forward"](self.handle)

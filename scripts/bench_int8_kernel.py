@@ -1,0 +1,104 @@
+#!/usr/bin/env python
+"""The int8-activation VNNI kernel alone (schedules/cpu/int8_act_matmul.py), by rows of x.
+
+Compiles the kernel's PrimFunc directly (no Relax) for each llama-110m linear shape and each
+M in --rows (1 = decode, 2..16 = batched decode, 32+ = prefill) and prints the best time over
+--repeats, the packed weight bytes read per call and the GB/s this gives, the time per row
+relative to M = 1 (how well a batch amortizes the weight reads), and the error against the
+numpy reference. `--cold` cycles over enough weight copies to defeat the last-level cache
+(what decode sees); by default one copy stays hot in cache, which shows the kernel's compute.
+
+    python scripts/bench_int8_kernel.py --threads 2 [--formats q8_0,q4_k] [--rows 1,2,4,8,16]
+        [--only qkv,down] [--cold]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _parse():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--formats", default="q8_0,q4_k")
+    p.add_argument("--rows", default="1,2,4,8,16")
+    p.add_argument("--only", default="")
+    p.add_argument("--cold", action="store_true", help="rotate weight copies past the LLC")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--rotate-mb", type=int, default=96)
+    return p.parse_args()
+
+
+ARGS = _parse()
+os.environ["TVM_NUM_THREADS"] = str(ARGS.threads)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+import tvm  # noqa: E402
+
+from schedules.cpu import workloads  # noqa: E402
+from schedules.cpu.int8_act_matmul import int8_act_matmul_func  # noqa: E402
+from tvm_llm.quantization.formats import fake_quantize, fake_quantize_activation, get_format  # noqa: E402
+from tvm_llm.quantization.scheme import stored_np  # noqa: E402
+
+SHAPES = {"qkv": (768, 1280), "o": (768, 768), "gate_up": (768, 4096), "down": (2048, 768),
+          "lm_head": (768, 32000)}  # name: (K, N) of llama-110m
+
+
+def compiled(fmt: str, K: int, N: int):
+    func = int8_act_matmul_func(get_format(fmt), K, N).with_attr("global_symbol", "main")
+    target = workloads.host_target(ARGS.threads)
+    with target:
+        return tvm.compile(tvm.IRModule({"main": func}), target=target)["main"]
+
+
+def _time(call, copies: int) -> float:
+    iters = max(copies, 10)
+    best = 1e9
+    for _ in range(ARGS.repeats):
+        call(0)
+        t0 = time.perf_counter()
+        for i in range(iters):
+            call(i)
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return best
+
+
+def main():
+    dev = tvm.cpu()
+    rng = np.random.default_rng(0)
+    rows = [int(r) for r in ARGS.rows.split(",")]
+    only = set(filter(None, ARGS.only.split(",")))
+    print(f"threads {ARGS.threads}, weights {'cold (rotated past LLC)' if ARGS.cold else 'hot'}")
+    print(f"{'shape':>8} {'fmt':>5} {'M':>3} {'ms':>8} {'MB':>6} {'GB/s':>6} {'ms/row vs M=1':>13} "
+          f"{'GOP/s':>7} {'max rel err':>11}")
+    for fmt in ARGS.formats.split(","):
+        for name, (K, N) in SHAPES.items():
+            if only and name not in only:
+                continue
+            w = (rng.standard_normal((N, K)) * 0.02).astype("float32")
+            arrays = stored_np(w, fmt, "vnni")
+            nbytes = sum(a.nbytes for a in arrays)
+            copies = max(1, int(ARGS.rotate_mb * 2**20 // nbytes) + 1) if ARGS.cold else 1
+            sets = [[tvm.runtime.tensor(a.copy(), dev) for a in arrays] for _ in range(copies)]
+            f = compiled(fmt, K, N)
+            wd = fake_quantize(w, fmt)
+            t1 = None
+            for m in rows:
+                x = rng.standard_normal((1, m, K)).astype("float32")
+                ref = fake_quantize_activation(x).reshape(m, K) @ wd.T
+                xt = tvm.runtime.tensor(x, dev)
+                yt = tvm.runtime.tensor(np.zeros((1, m, N), "float32"), dev)
+                f(xt, *sets[0], yt)
+                err = float(np.abs(yt.numpy().reshape(m, N) - ref).max() / np.abs(ref).max())
+                t = _time(lambda i: f(xt, *sets[i % copies], yt), copies)
+                t1 = t if m == 1 else t1
+                per_row = f"{t / m / t1:13.2f}" if t1 else f"{'':>13}"
+                print(f"{name:>8} {fmt:>5} {m:3d} {t * 1e3:8.3f} {nbytes / 1e6:6.2f} {nbytes / t / 1e9:6.1f} "
+                      f"{per_row} {2 * N * K * m / t / 1e9:7.1f} {err:11.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

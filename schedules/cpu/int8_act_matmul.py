@@ -101,27 +101,30 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
             ab[1] = T.Cast("float32x16", p3[nt, g // S, T.Ramp(0, 1, TILE_N)]) \
                 * T.Cast("float32x16", p1[nt, g, T.Ramp(0, 1, TILE_N)]) * T.Broadcast(T.float32(-1), TILE_N)
 
+    def dot_chain(init, tiles, xq, r, g):
+        """The group's int32 dot products of row r of x with the 16 rows: one expression (a
+        chain of 8 vpdpbusd from `init`), not a local accumulator buffer, so that LLVM keeps
+        it in a register whatever the TIR pipeline does with local buffers (in the build's
+        pipeline such a buffer became memory, and each vpdpbusd waited on a store-reload)."""
+        acc = init
+        for t in range(8):
+            a4 = T.reinterpret("int32", xq[r, T.Ramp(g * GROUP + t * 4, 1, 4)])
+            acc = T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc, tiles[t],
+                                          T.reinterpret("int8x64", T.Broadcast(a4, TILE_N)))
+        return acc
+
     @T.macro
     def row_group(facc, i, tiles, ab, xq, xs, xo, r, g):
         """facc[i] += row r of x times the tile's 16 rows over group g: one chain of 8
         vpdpbusd started from the offset term (sym) and 3-4 float ops after it."""
-        acc = T.alloc_buffer((1,), "int32x16", scope="local")
-        if kind == "sym":
-            acc[0] = T.Broadcast(xo[r, g], TILE_N)
-        else:
-            acc[0] = T.Broadcast(T.int32(0), TILE_N)
-        for t in T.unroll(8):
-            a4 = T.reinterpret("int32", xq[r, T.Ramp(g * GROUP + t * 4, 1, 4)])
-            acc[0] = T.call_llvm_pure_intrin(
-                "int32x16", "llvm.x86.avx512.vpdpbusd.512", acc[0], tiles[t],
-                T.reinterpret("int8x64", T.Broadcast(a4, TILE_N)))
         if kind == "sym":
             facc[i, T.Ramp(0, 1, TILE_N)] = facc[i, T.Ramp(0, 1, TILE_N)] \
-                + T.Cast("float32x16", acc[0]) * (ab[0] * T.Broadcast(xs[r, g], TILE_N))
+                + T.Cast("float32x16", dot_chain(T.Broadcast(xo[r, g], TILE_N), tiles, xq, r, g)) \
+                * (ab[0] * T.Broadcast(xs[r, g], TILE_N))
         else:
             facc[i, T.Ramp(0, 1, TILE_N)] = facc[i, T.Ramp(0, 1, TILE_N)] \
-                + T.Cast("float32x16", acc[0]) * (ab[0] * T.Broadcast(xs[r, g], TILE_N)) \
-                + ab[1] * T.Broadcast(xo[r, g], TILE_N)
+                + T.Cast("float32x16", dot_chain(T.Broadcast(T.int32(0), TILE_N), tiles, xq, r, g)) \
+                * (ab[0] * T.Broadcast(xs[r, g], TILE_N)) + ab[1] * T.Broadcast(xo[r, g], TILE_N)
 
     @T.macro
     def quantize_row(x, xq, xs, xo, r, B):

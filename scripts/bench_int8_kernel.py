@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The int8-activation VNNI kernel alone (schedules/cpu/int8_act_matmul.py), by rows of x.
 
-Compiles the kernel's PrimFunc directly (no Relax) for each llama-110m linear shape and each
-M in --rows (1 = decode, 2..16 = batched decode, 32+ = prefill) and prints the best time over
+Compiles the kernel as a build does (Relax emitter, lowering, schedule pass) for each
+llama-110m linear shape and times x of M rows in the decode layout (M, 1, K) for each M in --rows (1 = decode, 2..16 = batched decode, 32+ = prefill) and prints the best time over
 --repeats, the packed weight bytes read per call and the GB/s this gives (wall), the time per
 row relative to M = 1 (how well a batch amortizes the weight reads), and the error against the
 numpy reference. Times are the best of --repeats, wall and CPU (all threads together; on a
@@ -41,8 +41,7 @@ import numpy as np  # noqa: E402
 import tvm  # noqa: E402
 
 from schedules.cpu import workloads  # noqa: E402
-from schedules.cpu.int8_act_matmul import int8_act_matmul_func  # noqa: E402
-from tvm_llm.quantization.formats import fake_quantize, fake_quantize_activation, get_format  # noqa: E402
+from tvm_llm.quantization.formats import fake_quantize, fake_quantize_activation  # noqa: E402
 from tvm_llm.quantization.scheme import stored_np  # noqa: E402
 
 SHAPES = {"qkv": (768, 1280), "o": (768, 768), "gate_up": (768, 4096), "down": (2048, 768),
@@ -50,10 +49,28 @@ SHAPES = {"qkv": (768, 1280), "o": (768, 768), "gate_up": (768, 4096), "down": (
 
 
 def compiled(fmt: str, K: int, N: int):
-    func = int8_act_matmul_func(get_format(fmt), K, N).with_attr("global_symbol", "main")
+    """main(x (M, 1, K), *stored) -> y, lowered and compiled as a build does (the QuantizeLinear
+    pass's emitter, our lowering and CPU schedule pass): a direct tvm.compile of the PrimFunc
+    can generate different code for the same kernel."""
+    from tvm import relax
+
+    from schedules.cpu import cpu_schedule_pass
+    from tvm_llm.passes.quantize_linear import emit_quantized_matmul
+    from tvm_llm.quantization.kernels import stored_shapes
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([tvm.tirx.Var("m", "int64"), 1, K], "float32"))
+    ws = [relax.Var(f"w{i}", relax.TensorType(shape, dtype))
+          for i, (shape, dtype) in enumerate(stored_shapes(N, K, fmt, "vnni"))]
+    with bb.function("main", [x] + ws):
+        with bb.dataflow():
+            y = bb.emit_output(emit_quantized_matmul(bb, x, ws, fmt, "vnni", K, N, "float32"))
+        bb.emit_func_output(y)
     target = workloads.host_target(ARGS.threads)
-    with target:
-        return tvm.compile(tvm.IRModule({"main": func}), target=target)["main"]
+    with target, tvm.transform.PassContext(opt_level=3):
+        mod = cpu_schedule_pass()(workloads.lower_to_tir(bb.get()))
+        ex = tvm.compile(mod, target=target)
+    return relax.VirtualMachine(ex, tvm.cpu())["main"]
 
 
 def _time(call, copies: int):
@@ -92,13 +109,12 @@ def main():
             wd = fake_quantize(w, fmt)
             t1 = None
             for m in rows:
-                x = rng.standard_normal((1, m, K)).astype("float32")
+                x = rng.standard_normal((m, 1, K)).astype("float32")  # decode layout
                 ref = fake_quantize_activation(x).reshape(m, K) @ wd.T
                 xt = tvm.runtime.tensor(x, dev)
-                yt = tvm.runtime.tensor(np.zeros((1, m, N), "float32"), dev)
-                f(xt, *sets[0], yt)
-                err = float(np.abs(yt.numpy().reshape(m, N) - ref).max() / np.abs(ref).max())
-                t, cpu = _time(lambda i: f(xt, *sets[i % copies], yt), copies)
+                got = f(xt, *sets[0]).numpy()
+                err = float(np.abs(got.reshape(m, N) - ref).max() / np.abs(ref).max())
+                t, cpu = _time(lambda i: f(xt, *sets[i % copies]), copies)
                 t1 = cpu if m == 1 else t1
                 per_row = f"{cpu / m / t1:13.2f}" if t1 else f"{'':>13}"
                 print(f"{name:>8} {fmt:>5} {m:3d} {t * 1e3:8.3f} {cpu * 1e3:8.3f} {nbytes / 1e6:6.2f} "

@@ -27,15 +27,20 @@ tile and group, reused for every row of x), xs * xsum kept per row and block whe
 quantized. So a row and group cost 8 vpdpbusd and 3 (sym) or 4 vector float ops.
 
 Rows of x (prefill, batched decode): each group's weight tiles are loaded (and for 4 bits
-unpacked) once into 8 registers and used for every row, so a row costs only its dot products;
+unpacked) once into a local buffer of 8 tiles and used for every row (reads from L1 at worst),
+so a row costs only its dot products;
 the weight stream is prefetched PREFETCH_BYTES ahead into L2, since with many rows per group
 the out-of-order window spans too few groups to keep enough cache misses in flight.
 
-Measured (scripts/bench_int8_kernel.py, llama-110m shapes, 1 thread, machine shared, so only
-ratios inside one run mean much): with hot weights a row of a batch of 8 costs 0.33-0.46 of a
-batch-1 call (the batch-1 call is memory-bound even from L3); with weights cold (rotated past the
-LLC), the L2 prefetch made batch-8 calls ~2x faster than without (A/B in one process) and a
-batch-8 call costs 1.5-2x a batch-1 call.
+Measured (scripts/bench_int8_kernel.py compiles the kernel as a build does; 1 thread, CPU time,
+weights cold, llama-110m gate_up (768 -> 4096) and down (2048 -> 768), machine shared, A/B
+against the previous kernel in one process): batch 1 1.2-1.5x faster, batches 8 and 16
+1.9-2.4x faster; a batch-8 call costs 2.0-2.1x a batch-1 call for q8_0 (3.8x / 2.9x before),
+2.5-2.7x for q4_k. The L2 prefetch alone made cold batch-8 calls 1.7x (q8_0) and 1.2x (q4_k)
+faster. A direct tvm.compile of this PrimFunc generates better code than the build's pipeline
+(there the 8 tiles and the float sums are reloaded from memory every row: ~175 GOP/s per core
+at 8 rows with hot weights against ~290 for the direct compile): the next step for batched
+decode is keeping the tiles in registers in the build's pipeline too.
 """
 from __future__ import annotations
 
@@ -70,7 +75,7 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
         """The weight stream PREFETCH_BYTES ahead into L2 (past the end of a tile: the next
         tile's). With several rows of x a group's compute is long enough that the out-of-order
         window holds only 2-3 groups of loads, too few to hide DRAM latency; measured, this
-        made batch 8 cold-weight calls ~2x faster and batch 1 no slower."""
+        made cold-weight batch-8 calls 1.2-1.7x faster and batch 1 no slower."""
         for c in T.unroll(C):
             T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(wp[nt, g + pf_groups, c, 0]),
                                           T.int32(0), T.int32(2), T.int32(1)))

@@ -78,11 +78,22 @@ class CUDATarget(TargetSpec):
         return tensor_core_tir_pipeline()
 
     def pass_context_config(self) -> dict:
-        # CSE hoists threadIdx.x out of warp-buffer indices, which LowerWarpMemory then rejects
-        return {"tirx.disable_cse_tir": True}
+        # CSE hoists threadIdx.x out of warp-buffer indices, which LowerWarpMemory then rejects;
+        # RewriteCUDAGraph does nothing unless use_cuda_graph is set
+        return {"tirx.disable_cse_tir": True, "relax.backend.use_cuda_graph": True}
+
+    def graph_capture_passes(self) -> list:
+        """Decode's static regions become CUDA Graphs, one per batch size
+        (tvm_llm/passes/graph_capture.py)."""
+        from tvm import relax
+
+        from ..passes.graph_capture import CaptureDecodeBatch
+
+        return [CaptureDecodeBatch(), relax.transform.RewriteCUDAGraph()]
 
     def describe(self) -> dict:
-        return {**super().describe(), "device_type": self.device_type, "device_code": "ptx"}
+        return {**super().describe(), "device_type": self.device_type, "device_code": "ptx",
+                "graph_capture": "cuda_graph"}
 
     # ------------------------------------------------------------------ export
     def export_library(self, executable, path: str, workspace_dir: str | None = None) -> None:

@@ -79,8 +79,10 @@ class CUDATarget(TargetSpec):
 
     def pass_context_config(self) -> dict:
         # CSE hoists threadIdx.x out of warp-buffer indices, which LowerWarpMemory then rejects;
-        # RewriteCUDAGraph does nothing unless use_cuda_graph is set
-        return {"tirx.disable_cse_tir": True, "relax.backend.use_cuda_graph": True}
+        # RewriteCUDAGraph does nothing unless use_cuda_graph is set; use_async_copy turns the
+        # tensor-core GEMM's pipelined shared-memory copies into cp.async (InjectPTXAsyncCopy)
+        return {"tirx.disable_cse_tir": True, "relax.backend.use_cuda_graph": True,
+                "tirx.use_async_copy": True}
 
     def graph_capture_passes(self) -> list:
         """Decode's static regions become CUDA Graphs, one per batch size
@@ -295,7 +297,10 @@ def _write(path: str, text: str) -> str:
 
 
 def count_instructions(ptx: str) -> dict:
-    """Tensor-core instruction counts in PTX (reported by tests and gpu_check)."""
+    """Tensor-core and async-copy instruction counts in PTX (reported by tests and gpu_check)."""
     pats = {"mma.sync": r"\bmma\.sync\.aligned\.m16n8k16", "ldmatrix": r"\bldmatrix\.sync",
-            "wmma": r"\bwmma\.mma", "wgmma": r"\bwgmma\.mma_async"}
+            "wmma": r"\bwmma\.mma", "wgmma": r"\bwgmma\.mma_async",
+            "cp.async": r"\bcp\.async\.c[ag]\.shared\.global",
+            "cp.async.commit_group": r"\bcp\.async\.commit_group",
+            "cp.async.wait_group": r"\bcp\.async\.wait_group"}
     return {k: len(re.findall(p, ptx)) for k, p in pats.items()}

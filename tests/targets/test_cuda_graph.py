@@ -59,3 +59,14 @@ def test_llvm_and_rocm_do_not_capture():
     assert get_target("llvm").graph_capture_passes() == []
     assert get_target("rocm").graph_capture_passes() == []
     assert "relax.backend.use_cuda_graph" not in get_target("rocm").pass_context_config()
+
+
+def test_environment_switches_graphs_off(monkeypatch):
+    from tvm_llm.targets import get_target
+
+    assert len(get_target("cuda").graph_capture_passes()) == 2
+    monkeypatch.setenv("TVM_LLM_CUDA_GRAPH", "0")
+    spec = get_target("cuda")
+    assert spec.graph_capture_passes() == []
+    assert spec.pass_context_config()["relax.backend.use_cuda_graph"] is False
+    assert spec.describe()["graph_capture"] == "off"

@@ -11,7 +11,18 @@
 3. model: a tiny random-weight Llama (hidden 256, 4 layers) built with
    tvm_llm.build(target="cuda", arch=..., dtype="float16"), run with
    tvm_llm.Engine(device="cuda"): last-token logits vs transformers, greedy tokens, decode
-   tokens/s vs transformers.
+   tokens/s vs transformers;
+4. roofline: a random-weight Llama of a benchmark shape (--roofline-shape, default llama-1b;
+   llama-110m when less than 4 minutes remain) in float16: batch-1 decode tokens/s of
+   tvm_llm (decode replayed as CUDA Graphs) and of transformers on the same GPU, each against
+   the HBM roofline = memory bandwidth / bytes of weights one decode step reads (every
+   weight once; the embedding table only one row; KV-cache reads of the short context left
+   out). The bandwidth is the device's stated figure (table below, or --bandwidth-gbs) and,
+   for comparison, a measured device-to-device copy.
+
+`--device cpu` runs phase 4 with an llvm float32 build on the CPU (bandwidth from a measured
+numpy copy unless --bandwidth-gbs is given): it exercises the same code with no GPU and is
+what the test suite runs (tests/test_gpu_check.py, with the tiny shape).
 
 Prints every figure; writes them to $OUT/gpu_check.json when $OUT is set. Exit status 0 when
 every correctness check that ran passed, 1 otherwise. Each phase is guarded: a failure is
@@ -32,6 +43,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 RESULTS: dict = {"checks": {}, "figures": {}}
+# stated peak HBM bandwidth, GB/s (vendor data sheets), matched against the device name
+STATED_BANDWIDTH_GBS = (("H200", 4800), ("H100 PCIe", 2000), ("H100", 3350), ("H800", 3350),
+                        ("A100-SXM4-80GB", 2039), ("A100 80GB PCIe", 1935), ("A100", 1555),
+                        ("L40S", 864), ("L40", 864), ("L4", 300), ("A10", 600),
+                        ("RTX 4090", 1008), ("RTX 3090", 936))
 T0 = time.perf_counter()
 
 
@@ -197,7 +213,12 @@ def kernels(arch: str, dry_run: bool = False) -> None:
 
 
 # ------------------------------------------------------------------------ 3. model
-def _tiny_llama(path: str) -> None:
+TINY = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=688, vocab_size=4096)
+
+
+def _tiny_llama(path: str, shape: dict | None = None) -> None:
+    """A random-weight Llama checkpoint of `shape` (Llama config fields; TINY by default)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -205,9 +226,7 @@ def _tiny_llama(path: str) -> None:
     from tiny_models import make_tokenizer
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=688, vocab_size=4096,
-                      max_position_embeddings=1024, tie_word_embeddings=False,
+    cfg = LlamaConfig(**(shape or TINY), max_position_embeddings=1024, tie_word_embeddings=False,
                       initializer_range=0.05, bos_token_id=1, eos_token_id=2)
     LlamaForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
     make_tokenizer(path)
@@ -288,6 +307,153 @@ def model(arch: str, deadline: float, dry_run: bool = False) -> None:
                                    "note": f"batch 1, 64-token prompt, {steps} greedy tokens"})
 
 
+# ----------------------------------------------------------------------- 4. roofline
+def decode_bytes_per_token(params: list, tied_embeddings: bool) -> int:
+    """Bytes of weights one batch-1 decode step reads, from a manifest's parameter table:
+    every weight once, except the embedding table (named *embed*), of which a step reads one
+    row, unless it is tied to the LM head (then all of it). The LM head of an untied model may
+    be stored packed under another name: it is counted like any weight."""
+    total = 0
+    for p in params:
+        if "embed" in p["name"] and not tied_embeddings:
+            total += p["nbytes"] // max(1, p["shape"][0])
+        else:
+            total += p["nbytes"]
+    return total
+
+
+def stated_bandwidth_gbs(device_name: str) -> float | None:
+    for key, gbs in STATED_BANDWIDTH_GBS:
+        if key.lower() in device_name.lower():
+            return float(gbs)
+    return None
+
+
+def measured_bandwidth_gbs(device: str) -> float:
+    """Read + write bytes per second of a large device-to-device copy (torch on CUDA, numpy on
+    the CPU): what a memory-bound kernel can reach, usually 85-93% of the stated figure."""
+    if device == "cuda":
+        import torch
+
+        x = torch.empty(2**28, dtype=torch.float32, device="cuda")   # 1 GiB
+        y = torch.empty_like(x)
+        y.copy_(x)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(10):
+            y.copy_(x)
+        torch.cuda.synchronize()
+        return 2 * x.numel() * 4 * 10 / (time.perf_counter() - t) / 1e9
+    import numpy as np
+
+    x = np.ones(2**25, np.float32)                                       # 128 MiB
+    y = np.empty_like(x)
+    np.copyto(y, x)
+    t = time.perf_counter()
+    for _ in range(5):
+        np.copyto(y, x)
+    return 2 * x.nbytes * 5 / (time.perf_counter() - t) / 1e9
+
+
+def _decode_seconds(generate, prompt, steps: int, sync) -> float:
+    """Seconds of `steps - 1` decode steps: a generation of `steps` tokens minus one of a single
+    token (that one is the prefill), each the faster of two runs."""
+    def timed(n):
+        best = float("inf")
+        for _ in range(2):
+            sync()
+            t = time.perf_counter()
+            generate(prompt, n)
+            sync()
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    generate(prompt, 4)   # warm-up: CUDA Graphs are captured on the first decode per batch size
+    return max(timed(steps) - timed(1), 1e-9)
+
+
+def roofline(arch: str, shape_name: str, device: str, deadline: float, steps: int,
+             bandwidth_gbs: float | None = None) -> None:
+    """Phase 4 (see the module docstring)."""
+    import numpy as np
+
+    import tvm_llm
+
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    from bench import SHAPES
+
+    torch, tdev = _torch_device()
+    if device == "cuda" and shape_name == "llama-1b" and deadline - time.perf_counter() < 240:
+        log("less than 4 minutes left: roofline on llama-110m instead of llama-1b")
+        shape_name = "llama-110m"
+    shape = SHAPES[shape_name]
+    work = tempfile.mkdtemp(prefix="gpu_check_roofline_")
+    ckpt, out = os.path.join(work, "ckpt"), os.path.join(work, "out")
+    _tiny_llama(ckpt, shape)
+    dtype = "float16" if device == "cuda" else "float32"
+    t = time.perf_counter()
+    manifest = tvm_llm.build(ckpt, out, target="cuda" if device == "cuda" else "llvm",
+                             arch=arch if device == "cuda" else None, dtype=dtype,
+                             max_batch_size=1, prefill_chunk_size=64, context_window=256,
+                             log=lambda *a: None)
+    figure("roofline_build_seconds", round(time.perf_counter() - t, 1))
+    total = manifest["report"]["phases"][-1]
+    figure("roofline_decode_kernels", {"per_step": total.get("decode_kernels"),
+                                       **(total.get("decode_graph_capture") or {})})
+    per_token = decode_bytes_per_token(manifest["params"], tied_embeddings=False)  # _tiny_llama
+    if device == "cuda":
+        import tvm
+
+        name = tvm.cuda(0).device_name
+        stated = bandwidth_gbs or stated_bandwidth_gbs(name)
+    else:
+        name, stated = "cpu", bandwidth_gbs
+    measured = measured_bandwidth_gbs(device)
+    bandwidth = stated or measured
+    limit = bandwidth * 1e9 / per_token
+    figure("roofline", {"shape": shape_name, "dtype": dtype, "device": name,
+                        "weight_bytes_per_token": per_token,
+                        "bandwidth_GBs": round(bandwidth, 1),
+                        "bandwidth_source": ("--bandwidth-gbs" if bandwidth_gbs else
+                                             "stated" if stated else "measured copy"),
+                        "measured_copy_GBs": round(measured, 1),
+                        "roofline_tokens_per_s": round(limit, 1)})
+    if time.perf_counter() > deadline:
+        log("time budget reached: skipping the roofline decode runs")
+        return
+    engine = tvm_llm.Engine(out, device=device)
+    rng = np.random.default_rng(2)
+    prompt = [1] + rng.integers(3, shape["vocab_size"], 31).tolist()
+    sync = (torch.cuda.synchronize if device == "cuda" and torch is not None else (lambda: None))
+    ours = _decode_seconds(lambda p, n: engine.generate_ids([p], max_new_tokens=n, ignore_eos=True),
+                           prompt, steps, sync)
+    rates = {"tvm_llm": (steps - 1) / ours}
+    if torch is not None:
+        from transformers import AutoModelForCausalLM
+
+        hf_dev = "cuda" if device == "cuda" else "cpu"
+        hf = AutoModelForCausalLM.from_pretrained(
+            ckpt, dtype=getattr(torch, dtype)).to(hf_dev).eval()
+        ids = torch.tensor([prompt], device=hf_dev)
+
+        def hf_generate(_p, n):
+            with torch.no_grad():
+                hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+        rates[f"transformers_{hf_dev}"] = (steps - 1) / _decode_seconds(hf_generate, prompt, steps,
+                                                                        sync)
+    table = {k: {"tokens_per_s": round(v, 1), "share_of_roofline": round(v / limit, 3)}
+             for k, v in rates.items()}
+    if len(rates) == 2:
+        table["tvm_llm_over_transformers"] = round(rates["tvm_llm"] / list(rates.values())[1], 2)
+    figure("roofline_decode", table)
+    check("roofline_decode_measured", all(v > 0 for v in rates.values()),
+          f"batch 1, {len(prompt)}-token prompt, {steps - 1} decode steps")
+    log(f"decode {shape_name} {dtype} on {name}: " + ", ".join(
+        f"{k} {v:.1f} tok/s ({v / limit:.0%} of the {limit:.0f} tok/s roofline)"
+        for k, v in rates.items()))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-model", action="store_true", help="kernel checks only")
@@ -295,18 +461,36 @@ def main() -> int:
                         help="stop starting new work after this many seconds")
     parser.add_argument("--dry-run", metavar="ARCH", default=None,
                         help="no GPU: build and export everything for ARCH (e.g. sm_90), run nothing")
+    parser.add_argument("--skip-kernels", action="store_true", help="no kernel checks")
+    parser.add_argument("--skip-roofline", action="store_true", help="no roofline phase")
+    parser.add_argument("--roofline-shape", default="llama-1b",
+                        help="benchmark shape of phase 4 (scripts/bench.py SHAPES)")
+    parser.add_argument("--roofline-steps", type=int, default=129, help="decode steps timed")
+    parser.add_argument("--bandwidth-gbs", type=float, default=None,
+                        help="memory bandwidth for the roofline instead of the stated figure")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: run the roofline phase on the CPU (llvm build), no GPU needed")
     args = parser.parse_args()
     deadline = T0 + args.budget_seconds
     arch = args.dry_run
-    if arch is None:
+    if args.device == "cpu":
+        arch = arch or "cpu"
+    elif arch is None:
         try:
             arch = environment()
         except Exception:  # noqa: BLE001
             check("environment", False, traceback.format_exc(limit=3))
     dry = args.dry_run is not None
-    phases = [("kernels", lambda: kernels(arch, dry))]
-    if not args.skip_model:
+    on_gpu = args.device == "cuda"
+    phases = []
+    if not args.skip_kernels and on_gpu:
+        phases.append(("kernels", lambda: kernels(arch, dry)))
+    if not args.skip_model and on_gpu:
         phases.append(("model", lambda: model(arch, deadline - 60, dry)))
+    if not args.skip_roofline and not dry:
+        phases.append(("roofline", lambda: roofline(arch, args.roofline_shape, args.device,
+                                                    deadline - 20, args.roofline_steps,
+                                                    args.bandwidth_gbs)))
     for name, run in phases:
         if arch is None:
             log(f"skipping {name}: no usable CUDA device")

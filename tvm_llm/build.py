@@ -121,9 +121,11 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
     from .quantization import parse_scheme
     from .frontend import import_model, load_model, nonfinite_weights, read_config, tokenizer_files
     from .passes.pipeline import run_pipeline
+    from .report import BuildClock, format_build_time
     from .targets import get_target
 
     t_start = time.perf_counter()
+    clock = BuildClock()  # per-step wall time for the report
     started = time.time()
     spec = get_target(target, arch=arch)
     dtype = dtype or spec.default_dtype
@@ -145,6 +147,7 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
                         f"{spec.describe()} has none (use weight-only --quantization)")
     output_dir = _check_output(output_dir, force)
     tvm_target = spec.tvm_target()
+    clock.lap("start-up (imports, target)")
 
     config = read_config(model_dir)
     text_cfg = config.get_text_config()
@@ -166,7 +169,9 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
 
     log(f"[tvm-llm] loading {model_dir} ({config.model_type}, {dtype})")
     model = load_model(model_dir, config, dtype)
+    clock.lap("load checkpoint")
     nonfinite = nonfinite_weights(model)
+    clock.lap("check weights are finite")
     if nonfinite:
         import warnings
 
@@ -182,6 +187,7 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
                                                    bits_per_weight, bits_count, log=log)
     elif calibration or calibrate or bits_per_weight is not None:
         raise UserError("--calibration/--calibrate/--bits-per-weight need --quantization")
+    clock.lap("calibrate")
     if scheme is None:  # quantized weights are sized by the plan, after the passes
         planner.check_weights_fit(budget, sum(p.numel() for p in model.parameters())
                                   * kv_budget.dtype_bytes(dtype), spec.device_type)
@@ -192,6 +198,7 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
                             target=tvm_target, page_size=page_size)
     del model
     t_import = time.perf_counter() - t0
+    clock.lap("trace + import (torch.export)")
 
     log(f"[tvm-llm] compiling for {spec.name} ({spec.hw_key()})")
     t0 = time.perf_counter()
@@ -219,11 +226,14 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
 
     from .passes.fold_weights import apply_weight_transform, weight_param_names
 
+    clock.lap("passes (quantize, fuse, schedule)")
+
     weights = imported.params
     for transform in weight_transforms:  # folded graph work, then packing for the kernels
         weights = apply_weight_transform(transform, weights)
     names = (weight_param_names(mod, imported.relax_names) if weight_transforms
              else imported.param_names)
+    clock.lap("weight transform (fold, pack)")
 
     attn = imported.attention
     memory = planner.plan_memory(
@@ -237,11 +247,13 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
     log(format_memory(memory.to_dict()))
     planner.check_fits_machine(memory, spec.device_type)
     context_window, kv_cache_tokens = memory.context_window, memory.kv.max_total_seq_len
+    clock.lap("memory plan")
 
     with tvm.transform.PassContext(opt_level=3, config=spec.pass_context_config()):
         executable = tvm.compile(mod, target=tvm_target, relax_pipeline=None,
                                  tir_pipeline=spec.tir_pipeline() or "default")
     t_compile = time.perf_counter() - t0
+    clock.lap("codegen (tvm.compile)")
 
     remove_stale_temp_dirs(os.path.dirname(output_dir), started)
     tmp = tempfile.mkdtemp(prefix=_tmp_prefix("build"), dir=os.path.dirname(output_dir))
@@ -250,7 +262,9 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
         os.mkdir(objects)
         spec.export_library(executable, os.path.join(tmp, artifact.LIBRARY), workspace_dir=objects)
         shutil.rmtree(objects)
+        clock.lap("export library (compile, link)")
         table = artifact.save_weights(os.path.join(tmp, artifact.WEIGHTS), names, weights)
+        clock.lap("save weights")
         for name in tok_files:
             shutil.copy(os.path.join(model_dir, name), os.path.join(tmp, name))
         template = chat_template.find(model_dir)  # rendered by `serve` and `generate --chat`
@@ -259,6 +273,7 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
                 f.write(template)
         sources = spec.emit_source(executable, os.path.join(tmp, "source")) if emit_source else []
         attn = imported.attention
+        clock.lap("tokenizer, sources")
         manifest = {
             "tvm_llm_version": __version__,
             "model": {"model_type": config.model_type,
@@ -282,6 +297,7 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
             "params": table,
             "report": {"phases": report, "import_seconds": round(t_import, 2),
                        "compile_seconds": round(t_compile, 2),
+                       "build_seconds": clock.seconds, "build_cpu_seconds": clock.cpu_seconds,
                        **({"tuning": tuning} if tuning is not None else {})},
             "sources": [os.path.relpath(p, tmp) for p in sources],
         }
@@ -296,5 +312,6 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    log(format_build_time(clock.seconds, clock.cpu_seconds))
     log(f"[tvm-llm] wrote {output_dir} in {time.perf_counter() - t_start:.1f}s")
     return manifest

@@ -38,8 +38,46 @@ def format_manifest(m: dict) -> str:
                 lines.append(f"  kernels per call: decode {ph['decode_kernels']}, "
                              f"prefill {ph['prefill_kernels']}")
         lines.append(f"  import {rep.get('import_seconds')}s, compile {rep.get('compile_seconds')}s")
+    if rep.get("build_seconds"):
+        lines.append(format_build_time(rep["build_seconds"], rep.get("build_cpu_seconds")))
     if rep.get("tuning"):
         lines.append(format_tuning(rep["tuning"]))
+    return "\n".join(lines)
+
+
+class BuildClock:
+    """Wall and CPU seconds of the build's steps: `lap(name)` charges the time since the
+    previous lap (or the start) to `name`, so the steps add up to the whole build. CPU time
+    (all threads of this process) tells a slow step from a machine shared with others."""
+
+    def __init__(self):
+        import time
+
+        self._wall, self._cpu = time.perf_counter, time.process_time
+        self._last = (self._wall(), self._cpu())
+        self.seconds: dict = {}
+        self.cpu_seconds: dict = {}
+
+    def lap(self, name: str) -> None:
+        now = (self._wall(), self._cpu())
+        for table, new, old in ((self.seconds, now[0], self._last[0]),
+                                (self.cpu_seconds, now[1], self._last[1])):
+            table[name] = round(table.get(name, 0.0) + new - old, 2)
+        self._last = now
+
+
+def format_build_time(seconds: dict, cpu_seconds: dict | None = None) -> str:
+    """The build's time per step (a manifest's report "build_seconds" and "build_cpu_seconds"),
+    largest first; steps under 0.01 s are left out."""
+    cpu_seconds = cpu_seconds or {}
+    total = sum(seconds.values()) or 1.0
+    lines = [f"build time {total:.1f}s wall, {sum(cpu_seconds.values()):.1f}s CPU "
+             "(step: wall, share of wall, CPU)"]
+    for name, sec in sorted(seconds.items(), key=lambda kv: -kv[1]):
+        if sec >= 0.01:
+            cpu = cpu_seconds.get(name)
+            lines.append(f"  {name:<34} {sec:>8.2f}s {100 * sec / total:>5.1f}%"
+                         + (f" {cpu:>8.2f}s" if cpu is not None else ""))
     return "\n".join(lines)
 
 

@@ -21,14 +21,16 @@ def _bind_store(sch, i, j):
 
 
 def mma_config() -> TensorCoreConfig:
-    """128x128 block tile, 2x2 warps of 64x64 (4x4 fragments of 16x16), K tile 32."""
+    """128x128 block tile, 2x2 warps of 64x64 (4x4 fragments of 16x16), K tile 32, the A and
+    W tiles double-buffered in shared memory and filled by cp.async (needs the PassContext
+    option tirx.use_async_copy, CUDATarget.pass_context_config)."""
     from . import intrinsics as I
 
     return TensorCoreConfig(
         target_kind="cuda", warp_size=32,
         intrinsics={"float16": (I.LDMATRIX_A, I.LDMATRIX_B_NT, I.MMA_NT_F32, I.FILL_F32)},
         layout_a=I.ldmatrix_layout, layout_b=I.ldmatrix_layout, layout_c=I.ldmatrix_layout,
-        bind_store=_bind_store, shared_scope="shared.dyn",
+        bind_store=_bind_store, shared_scope="shared.dyn", async_copy_stages=2,
         target_check=lambda target: _sm(target) >= 80)
 
 

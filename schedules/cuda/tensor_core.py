@@ -60,6 +60,9 @@ class TensorCoreConfig:
     min_m: int = 64                  # static M below this is left to GEMV-like rules
     decode_max: int = 16             # symbolic M bounded by this is a decode batch: not ours
     pad_row: int = 8                 # shared row padding (elements) against bank conflicts
+    # global -> shared copies issued asynchronously (cp.async, sm_80+) this many K tiles ahead
+    # of the tensor-core work (2: double buffering); 0 copies synchronously each K step
+    async_copy_stages: int = 0
     target_check: Callable = field(default=lambda target: True)
 
     @property
@@ -212,6 +215,13 @@ class TensorCoreMatmul(ScheduleRule):
         # 7. zero the accumulator before the K loop
         block_init = sch.decompose_reduction(block_outer, k0)
         init_inner = sch.get_child_blocks(block_init)[0]
+
+        # 8. double buffering: the K loop's body is [A copy, W copy, fragment loads + mma];
+        # the copies of tile k + 1 (stage 0, async) run while tile k is multiplied (stage 1)
+        if cfg.async_copy_stages >= 2:
+            sch.annotate(k0, "software_pipeline_stage", [0, 0, cfg.async_copy_stages - 1])
+            sch.annotate(k0, "software_pipeline_order", [0, 1, 2])
+            sch.annotate(k0, "software_pipeline_async_stages", [0])
 
         loop_a = _tile_fragment(sch, a_warp, 16, fk)
         loop_b = _tile_fragment(sch, b_warp, 16, fk)

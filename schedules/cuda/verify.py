@@ -29,12 +29,16 @@ def lower_for_scheduling(mod):
 
 
 def serialize_threads(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """`func` with every thread-bound loop made a serial loop."""
+    """`func` with every thread-bound loop made a serial loop. Software pipelines stay (their
+    double-buffered indexing is checked), with synchronous copies: the CPU has no cp.async."""
 
     def unbind(loop):
-        if loop.kind == tirx.ForKind.THREAD_BINDING:
-            return tirx.For(loop.loop_var, loop.min, loop.extent, tirx.ForKind.SERIAL, loop.body,
-                            None, loop.annotations)
+        annotations = {k: v for k, v in loop.annotations.items()
+                       if k != "software_pipeline_async_stages"}
+        if loop.kind == tirx.ForKind.THREAD_BINDING or len(annotations) != len(loop.annotations):
+            kind = tirx.ForKind.SERIAL if loop.kind == tirx.ForKind.THREAD_BINDING else loop.kind
+            return tirx.For(loop.loop_var, loop.min, loop.extent, kind, loop.body, None,
+                            annotations)
         return loop
 
     return tvm_ffi.structural_map(func, [(tirx.For, unbind)])

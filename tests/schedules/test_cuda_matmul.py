@@ -180,6 +180,11 @@ def test_exported_ptx_uses_mma_sync_and_ldmatrix(spec, compiled):
     # 2x2 warps x (4x4 fragments x 2 mma.sync) per 16-wide K step, 2 steps per K tile
     assert counts["mma.sync"] >= 64 and counts["mma.sync"] % 32 == 0, counts
     assert counts["ldmatrix"] >= 16 and counts["ldmatrix"] % 8 == 0, counts
+    # double buffering: A and W tiles fetched by cp.async (16-byte, zero-filled past the
+    # edges), one commit group per K tile, waits that leave the next tile in flight
+    assert counts["cp.async"] >= 4, counts
+    assert counts["cp.async.commit_group"] >= 2 and counts["cp.async.wait_group"] >= 2, counts
+    assert re.search(r"cp\.async\.wait_group 1;", ptx), "no wait that keeps one tile in flight"
 
 
 def _te_matmul(k: int, nt: bool = True, m=None):

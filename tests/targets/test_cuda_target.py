@@ -113,6 +113,7 @@ def test_emit_source_writes_cuda_ptx_and_host_asm(built):
     ptx = open(out / "src" / "device.ptx").read()
     assert "__global__" in cu and ".entry" in ptx
     assert "mma.sync" in ptx  # the 64-wide N is padded to a tensor-core tile: still mma
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.commit_group" in ptx  # sm_90 too
 
 
 def test_compile_callback_is_nvcc_ptx():

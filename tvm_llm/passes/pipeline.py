@@ -77,8 +77,7 @@ def _finalize_passes(target_spec) -> list:
     passes = [relax.transform.RewriteDataflowReshape(), relax.transform.ToNonDataflow(),
               relax.transform.RemovePurityChecking(), relax.transform.CallTIRRewrite(),
               relax.transform.StaticPlanBlockMemory()]
-    if target_spec.name == "cuda":
-        passes.append(relax.transform.RewriteCUDAGraph())
+    passes += target_spec.graph_capture_passes()  # needs the static plan's storages
     passes += [relax.transform.LowerAllocTensor(), relax.transform.KillAfterLastUse(),
                relax.transform.LowerRuntimeBuiltin(), relax.transform.ComputePrimValue(),
                relax.transform.VMShapeLower(), relax.transform.AttachGlobalSymbol()]
@@ -103,11 +102,14 @@ def count_ops(mod) -> dict:
     return counts
 
 
-def kernels_per_call(mod, func_name: str) -> int:
+def kernels_per_call(mod, func_name: str, inside_graphs: bool = True) -> int:
     """Kernel launches one call of `func_name` makes in a finalized module: calls of PrimFuncs
-    of the module plus the paged-attention packed calls (shape and memory builtins excluded)."""
+    of the module plus the paged-attention packed calls (shape and memory builtins excluded),
+    with those of the CUDA Graph regions it replays unless `inside_graphs` is False."""
     import tvm
     from tvm import relax
+
+    from .graph_capture import captured_region
 
     if func_name not in [gv.name_hint for gv in mod.get_global_vars()]:
         return 0
@@ -118,7 +120,10 @@ def kernels_per_call(mod, func_name: str) -> int:
         if not isinstance(expr, relax.Call):
             return
         op = expr.op
-        if isinstance(op, tvm.ir.GlobalVar) and op.name_hint in prim:
+        region = captured_region(expr)
+        if region is not None:
+            count[0] += kernels_per_call(mod, region) if inside_graphs else 0
+        elif isinstance(op, tvm.ir.GlobalVar) and op.name_hint in prim:
             if not op.name_hint.startswith(("shape_func", "compute_symbolic_expr")):  # host scalars
                 count[0] += 1
         elif isinstance(op, relax.ExternFunc) and "attention" in str(op.global_symbol):
@@ -190,4 +195,8 @@ def run_pipeline(mod, target_spec, dump_dir: str | None = None,
                    "relax_calls": report[-1]["relax_calls"], "skipped": False,
                    "decode_kernels": kernels_per_call(mod, "decode"),
                    "prefill_kernels": kernels_per_call(mod, "prefill")})
+    if target_spec.graph_capture_passes():
+        from .graph_capture import capture_summary
+
+        report[-1]["decode_graph_capture"] = capture_summary(mod, "decode")
     return mod, weight_transforms, report

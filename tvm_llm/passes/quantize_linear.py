@@ -21,6 +21,8 @@ quantized the same way, expert by expert (quantization/experts.py, weight-only).
 """
 from __future__ import annotations
 
+import functools
+
 import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -223,6 +225,16 @@ def emit_quantize_weight(bb, w, fmt: str, layout: str, key: str, N: int, K: int)
     return [bb.emit(relax.TupleGetItem(stored, i)) for i in range(len(shapes))]
 
 
+@functools.lru_cache(maxsize=None)
+def _int8_act_kernel(fmt: str, K: int, N: int, out_dtype: str):
+    """The int8-activation kernel of one (format, shape), made once per process: it is written
+    in TVMScript, and parsing it took ~3 s per linear layer (most of a q4 build's passes),
+    while a model has only a few distinct linear shapes. PrimFuncs are immutable: sharing is safe."""
+    from schedules.cpu.int8_act_matmul import int8_act_matmul_func
+
+    return int8_act_matmul_func(get_format(fmt), K, N, out_dtype)
+
+
 def emit_quantized_matmul(bb, x, stored: list, fmt: str, layout: str, K: int, N: int,
                           out_dtype: str):
     """The expression y = x @ W^T for a weight W held as `stored` (scheme.pack's arrays of
@@ -230,9 +242,7 @@ def emit_quantized_matmul(bb, x, stored: list, fmt: str, layout: str, K: int, N:
     build around the same kernels."""
     f = get_format(fmt)
     if layout == "vnni":
-        from schedules.cpu.int8_act_matmul import int8_act_matmul_func
-
-        gv = bb.add_func(int8_act_matmul_func(f, K, N, out_dtype), f"{fmt}_a8_matmul")
+        gv = bb.add_func(_int8_act_kernel(fmt, K, N, out_dtype), f"{fmt}_a8_matmul")
         shape = list(x.ty.shape)[:-1] + [N]
         return relax.call_tir(gv, relax.Tuple([x, *stored]),
                               out_ty=relax.TensorType(shape, out_dtype))

@@ -31,7 +31,9 @@ import numpy as np
 GROUP = 32
 ACTIVATION_BLOCK = 32
 SUPER_GROUPS = 8  # q4_k: groups per super-block (256 weights) when K allows
-_ROW_CHUNK = 4096  # rows quantized at once (bounds the search's temporary memory)
+# rows quantized at once: the scale search makes ~20 passes over its temporaries, which at 256
+# rows stay in the CPU caches (1.4-1.7x faster than 4096 rows; rows are independent: same result)
+_ROW_CHUNK = 256
 
 
 def super_groups(K: int) -> int:

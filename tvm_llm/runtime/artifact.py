@@ -39,7 +39,7 @@ def save_weights(path: str, names: list, arrays: list) -> list:
             pad = (-offset) % ALIGN
             f.write(b"\0" * pad)
             offset += pad
-            f.write(arr.tobytes())
+            f.write(arr.reshape(-1).view(np.uint8).data)  # no copy (tobytes() made one)
             table.append({"name": name, "dtype": str(arr.dtype), "shape": list(arr.shape),
                           "offset": offset, "nbytes": int(arr.nbytes)})
             offset += arr.nbytes

@@ -51,6 +51,11 @@ class TargetSpec:
         """Extra tvm.transform.PassContext config for this target's compile."""
         return {}
 
+    def graph_capture_passes(self) -> list:
+        """Relax passes, run after the static memory plan, that rewrite parts of the functions
+        for replay as device graphs (CUDA Graphs); none where the runtime has no graphs."""
+        return []
+
     def export_library(self, executable, path: str, workspace_dir: str | None = None) -> None:
         """Link the compiled module into a shared library at `path`; object files go to
         `workspace_dir` (the build's own temporary directory)."""

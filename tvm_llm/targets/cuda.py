@@ -78,11 +78,26 @@ class CUDATarget(TargetSpec):
         return tensor_core_tir_pipeline()
 
     def pass_context_config(self) -> dict:
-        # CSE hoists threadIdx.x out of warp-buffer indices, which LowerWarpMemory then rejects
-        return {"tirx.disable_cse_tir": True}
+        # CSE hoists threadIdx.x out of warp-buffer indices, which LowerWarpMemory then rejects;
+        # RewriteCUDAGraph does nothing unless use_cuda_graph is set; use_async_copy turns the
+        # tensor-core GEMM's pipelined shared-memory copies into cp.async (InjectPTXAsyncCopy)
+        return {"tirx.disable_cse_tir": True, "relax.backend.use_cuda_graph": cuda_graphs_enabled(),
+                "tirx.use_async_copy": True}
+
+    def graph_capture_passes(self) -> list:
+        """Decode's static regions become CUDA Graphs, one per batch size
+        (tvm_llm/passes/graph_capture.py). TVM_LLM_CUDA_GRAPH=0 builds without them."""
+        from tvm import relax
+
+        from ..passes.graph_capture import CaptureDecodeBatch
+
+        if not cuda_graphs_enabled():
+            return []
+        return [CaptureDecodeBatch(), relax.transform.RewriteCUDAGraph()]
 
     def describe(self) -> dict:
-        return {**super().describe(), "device_type": self.device_type, "device_code": "ptx"}
+        return {**super().describe(), "device_type": self.device_type, "device_code": "ptx",
+                "graph_capture": "cuda_graph" if cuda_graphs_enabled() else "off"}
 
     # ------------------------------------------------------------------ export
     def export_library(self, executable, path: str, workspace_dir: str | None = None) -> None:
@@ -105,6 +120,12 @@ class CUDATarget(TargetSpec):
 
     def compile_ptx(self, source: str) -> str:
         return compile_ptx(source, self.arch)
+
+
+def cuda_graphs_enabled() -> bool:
+    """Decode as CUDA Graphs unless the environment says TVM_LLM_CUDA_GRAPH=0 (an A/B switch
+    for the first runs on a GPU)."""
+    return os.environ.get("TVM_LLM_CUDA_GRAPH", "1") != "0"
 
 
 # ---------------------------------------------------------------------- nvcc
@@ -284,7 +305,10 @@ def _write(path: str, text: str) -> str:
 
 
 def count_instructions(ptx: str) -> dict:
-    """Tensor-core instruction counts in PTX (reported by tests and gpu_check)."""
+    """Tensor-core and async-copy instruction counts in PTX (reported by tests and gpu_check)."""
     pats = {"mma.sync": r"\bmma\.sync\.aligned\.m16n8k16", "ldmatrix": r"\bldmatrix\.sync",
-            "wmma": r"\bwmma\.mma", "wgmma": r"\bwgmma\.mma_async"}
+            "wmma": r"\bwmma\.mma", "wgmma": r"\bwgmma\.mma_async",
+            "cp.async": r"\bcp\.async\.c[ag]\.shared\.global",
+            "cp.async.commit_group": r"\bcp\.async\.commit_group",
+            "cp.async.wait_group": r"\bcp\.async\.wait_group"}
     return {k: len(re.findall(p, ptx)) for k, p in pats.items()}

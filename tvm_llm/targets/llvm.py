@@ -130,6 +130,13 @@ class LLVMTarget(TargetSpec):
     def hw_key(self) -> str:
         return llvm_hw_key(self.tvm_target())
 
+    def graph_passes(self) -> list:
+        """bfloat16/float16 matmuls accumulate in float32: the GEMM/GEMV rules then read the
+        half-precision weight (half of float32's bytes) and widen it in registers."""
+        from ..passes.accumulate_half_matmul import AccumulateHalfMatmulInFloat32
+
+        return [AccumulateHalfMatmulInFloat32()]
+
     def schedule_passes(self) -> list:
         """Our CPU rules, with weights packed at build time: the build marks the model's
         weights layout-free, the GEMM rule then reads each NT weight as packed panels

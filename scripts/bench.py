@@ -74,13 +74,15 @@ def build_model(ckpt: str, shape: str, rebuild: bool, **build_kwargs) -> str:
 class TransformersRunner:
     name = "transformers eager"
 
-    def __init__(self, ckpt: str, threads: int):
+    def __init__(self, ckpt: str, threads: int, dtype: str = "float32"):
         import torch
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        if dtype != "float32":
+            self.name = f"transformers eager {dtype}"
+        self.model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype)).eval()
 
     def run(self, prompt, gen_len):
         torch = self.torch
@@ -260,9 +262,15 @@ def main(argv=None):
 
     ckpt = make_checkpoint(args.shape)
     context = args.prompt_len + args.gen_len // 2
+    builds = [q.strip() for q in args.quantization.split(",") if q.strip()]
     per_system = {}
     runners = [] if args.no_transformers else [TransformersRunner(ckpt, args.threads)]
-    for q in [q.strip() for q in args.quantization.split(",") if q.strip()]:
+    if not args.no_transformers:  # torch in the same half dtype as a bf16/fp16 build
+        for q in builds:
+            if q in FLOAT_BUILDS:
+                runners.append(TransformersRunner(ckpt, args.threads, FLOAT_BUILDS[q]))
+                per_system[runners[-1].name] = model_costs(args.shape, context, 2.0, 2)
+    for q in builds:
         if q == "fp32":
             out, name = build_model(ckpt, args.shape, args.rebuild), "tvm_llm"
         else:

@@ -5,7 +5,7 @@ import tvm
 from tvm import relax
 from tvm.script import relax as R
 
-from relax_util import compile_and_run, op_names, random
+from relax_util import op_names, random
 from tvm_llm.passes.fuse_add_rms_norm import FuseAddRMSNorm
 
 

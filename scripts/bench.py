@@ -74,13 +74,15 @@ def build_model(ckpt: str, shape: str, rebuild: bool, **build_kwargs) -> str:
 class TransformersRunner:
     name = "transformers eager"
 
-    def __init__(self, ckpt: str, threads: int):
+    def __init__(self, ckpt: str, threads: int, dtype: str = "float32"):
         import torch
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        if dtype != "float32":
+            self.name = f"transformers eager {dtype}"
+        self.model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype)).eval()
 
     def run(self, prompt, gen_len):
         torch = self.torch
@@ -157,13 +159,19 @@ def machine_limits(threads: int) -> dict:
 
 # Bytes per matmul weight as stored (scales included) of llama.cpp's formats; Q4_K_M is its
 # mix (Q4_K at 144 bytes / 256, Q6_K for the LM head and half of attn_v / ffn_down): ~4.85 bits.
-BYTES_PER_WEIGHT = {"fp32": 4.0, "F32": 4.0, "F16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32,
+BYTES_PER_WEIGHT = {"fp32": 4.0, "F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32,
                     "Q4_K_M": 4.85 / 8}
+
+
+FLOAT_BUILDS = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 def tvm_build_options(q: str) -> dict:
     """build() options of a --quantization entry: q8 / q4 (our defaults for this CPU), a format
-    name (q8_0, q4_0, q4_1, q4_k: float activations) or a format with `_a8` (int8 activations)."""
+    name (q8_0, q4_0, q4_1, q4_k: float activations), a format with `_a8` (int8 activations),
+    or bf16 / fp16 (an unquantized build in that dtype: --dtype bfloat16 / float16)."""
+    if q in FLOAT_BUILDS:
+        return dict(dtype=FLOAT_BUILDS[q])
     if q.endswith("_a8"):
         return dict(quantization=q[:-3], activations="int8")
     return dict(quantization=q)
@@ -173,6 +181,8 @@ def tvm_bytes_per_weight(q: str, arch: str | None = None) -> float:
     """Bytes per matmul weight our kernels read for a --quantization entry (K = 768)."""
     if q == "fp32":
         return 4.0
+    if q in FLOAT_BUILDS:
+        return 2.0
     from tvm_llm.quantization import parse_scheme
     from tvm_llm.quantization.scheme import quantized_bytes
     from tvm_llm.targets import get_target
@@ -184,17 +194,19 @@ def tvm_bytes_per_weight(q: str, arch: str | None = None) -> float:
     return quantized_bytes(64, 768, scheme.format, layout) / (64 * 768)
 
 
-def model_costs(shape: str, context: int, bytes_per_weight: float = 4.0) -> dict:
+def model_costs(shape: str, context: int, bytes_per_weight: float = 4.0,
+                kv_bytes_per_value: int = 4) -> dict:
     """Bytes read per decode token (every weight but the embedding table, at
-    `bytes_per_weight`, plus the fp32 KV cache at `context` tokens) and FLOPs per prefill token
-    (2 per weight multiply-add)."""
+    `bytes_per_weight`, plus the KV cache at `context` tokens, `kv_bytes_per_value` each: 4 for
+    fp32 and quantized builds, 2 for bf16/fp16 builds and llama.cpp's default f16 cache is not
+    modelled) and FLOPs per prefill token (2 per weight multiply-add)."""
     s = SHAPES[shape]
     h, L, i, v = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"], s["vocab_size"]
     hd = h // s["num_attention_heads"]
     kv = s["num_key_value_heads"] * hd
     per_layer = h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h
     matmul_params = L * per_layer + h * v + h
-    kv_bytes = 2 * L * kv * 4 * context
+    kv_bytes = 2 * L * kv * kv_bytes_per_value * context
     return {"decode_bytes": matmul_params * bytes_per_weight + kv_bytes,
             "prefill_flops": 2 * matmul_params}
 
@@ -233,11 +245,12 @@ def main(argv=None):
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--quantization", default="fp32",
-                   help="comma list of builds to measure: fp32, q8, q4 (our defaults), a format "
+                   help="comma list of builds to measure: fp32, bf16 / fp16 (unquantized builds "
+                        "with --dtype bfloat16 / float16), q8, q4 (our defaults), a format "
                         "(q8_0, q4_0, q4_1, q4_k; float activations) or a format with _a8 (int8 "
-                        "activations), e.g. fp32,q8,q4,q4_k,q4_0_a8 (default fp32)")
+                        "activations), e.g. fp32,bf16,q8,q4,q4_k,q4_0_a8 (default fp32)")
     p.add_argument("--llamacpp", default="",
-                   help="comma list of llama.cpp formats measured in the same run (F32, Q8_0, "
+                   help="comma list of llama.cpp formats measured in the same run (F32, F16, BF16, Q8_0, "
                         "Q4_0, Q4_K_M); needs llama-cpp-python, see scripts/llamacpp_ref.py")
     p.add_argument("--arch", default=None,
                    help="llvm --arch for our builds, e.g. x86-64-v3 (AVX2, no VNNI: q8/q4 then "
@@ -249,9 +262,15 @@ def main(argv=None):
 
     ckpt = make_checkpoint(args.shape)
     context = args.prompt_len + args.gen_len // 2
+    builds = [q.strip() for q in args.quantization.split(",") if q.strip()]
     per_system = {}
     runners = [] if args.no_transformers else [TransformersRunner(ckpt, args.threads)]
-    for q in [q.strip() for q in args.quantization.split(",") if q.strip()]:
+    if not args.no_transformers:  # torch in the same half dtype as a bf16/fp16 build
+        for q in builds:
+            if q in FLOAT_BUILDS:
+                runners.append(TransformersRunner(ckpt, args.threads, FLOAT_BUILDS[q]))
+                per_system[runners[-1].name] = model_costs(args.shape, context, 2.0, 2)
+    for q in builds:
         if q == "fp32":
             out, name = build_model(ckpt, args.shape, args.rebuild), "tvm_llm"
         else:
@@ -261,7 +280,8 @@ def main(argv=None):
                 kw["arch"] = args.arch
             out, name = build_model(ckpt, args.shape, args.rebuild, tag=tag, **kw), f"tvm_llm {tag}"
         runners.append(TvmRunner(out, args.threads, name=name))
-        per_system[name] = model_costs(args.shape, context, tvm_bytes_per_weight(q, args.arch))
+        per_system[name] = model_costs(args.shape, context, tvm_bytes_per_weight(q, args.arch),
+                                       2 if q in FLOAT_BUILDS else 4)
     if args.llamacpp:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import llamacpp_ref

@@ -10,8 +10,8 @@ gets the very same token ids per window (a fresh context, all logits) from GGUFs
 quantized from the same checkpoint (scripts/llamacpp_ref.py). Then bits per weight and batch-1
 decode tok/s (scripts/bench.py's runners, interleaved, medians).
 
-Schemes: `fp32`, a --quantization name (q8, q4, or a format name), `w8a8` / `w4a8` (q8 / q4
-with int8 activations), or NAME/int8; extra build options after a colon, comma-free:
+Schemes: `fp32`, `bf16` / `fp16` (unquantized builds in that dtype), a --quantization name
+(q8, q4, or a format name), `w8a8` / `w4a8` (q8 / q4 with int8 activations), or NAME/int8; extra build options after a colon, comma-free:
 `q4:calibrate=none`, `q4:bits_per_weight=none`, `q4_k:calibrate=awq+importance`.
 
 Default text: Isaac Newton's *Opticks* (Project Gutenberg), which ships with apache-tvm-ffi (a
@@ -48,6 +48,8 @@ def parse_scheme(spec: str) -> tuple:
     kw: dict = {}
     if name == "fp32":
         pass
+    elif name in ("bf16", "fp16"):  # unquantized, in that dtype (--dtype bfloat16 / float16)
+        kw = {"dtype": "bfloat16" if name == "bf16" else "float16"}
     elif name in ("w8a8", "w4a8"):
         kw = {"quantization": "q8" if name == "w8a8" else "q4", "activations": "int8"}
     else:

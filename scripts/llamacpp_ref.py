@@ -42,8 +42,9 @@ INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF" MAKEFLAGS=-j2 CMAKE_BU
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tvm_llm")
 GGUF_DIR = os.path.join(CACHE, "gguf")
 SRC_DIR = os.path.join(CACHE, "llamacpp")  # sdists and the conversion scripts unpacked from them
-QTYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K_M")
-_FTYPE = {"F16": "LLAMA_FTYPE_MOSTLY_F16", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
+QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M")
+_FTYPE = {"F16": "LLAMA_FTYPE_MOSTLY_F16", "BF16": "LLAMA_FTYPE_MOSTLY_BF16",
+          "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
           "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 
 
@@ -200,7 +201,7 @@ def _quantize(src: str, out: str, qtype: str, threads: int) -> None:
 
 
 def gguf_path(ckpt_dir: str, qtype: str, threads: int | None = None) -> str:
-    """Cached GGUF of the HF checkpoint `ckpt_dir` at `qtype` (F32, F16, Q8_0, Q4_0, Q4_K_M), made on
+    """Cached GGUF of the HF checkpoint `ckpt_dir` at `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_K_M), made on
     first use: ~/.cache/tvm_llm/gguf/<basename>-<qtype>.gguf. A GGUF older than the checkpoint's
     weights is remade. Files are written to a temporary name and renamed."""
     qtype = qtype.upper()

@@ -239,6 +239,9 @@ def _strip_cast(e):
 # --------------------------------------------------------------------------------------------
 # Matmul matcher
 # --------------------------------------------------------------------------------------------
+HALF_DTYPES = ("bfloat16", "float16")
+
+
 @dataclass
 class MatmulPattern:
     """A block computing C[m..., n] += A[m..., k] * B[n, k] (NT) or B[k, n] (NN).
@@ -258,8 +261,9 @@ class MatmulPattern:
     m_extents: list  # PrimExpr extents of the M iters
     N: int
     K: int
-    dtype: str
+    dtype: str  # the accumulator's (C's) dtype, which the kernel computes in
     epilogue: list = field(default_factory=list)  # remaining injective consumer block names
+    input_dtype: str = ""  # A's and B's dtype: dtype, or bfloat16/float16 widened to float32
 
     @property
     def decode_like(self) -> bool:
@@ -364,8 +368,14 @@ def match_matmul_block(sch: s_tir.Schedule, block) -> MatmulPattern | None:
     if a_idx < 0 or b_idx < 0 or a_idx == b_idx:
         return None
     dtypes = {str(store.buffer.dtype), str(a_load.source.dtype), str(b_load.source.dtype)}
+    input_dtype = str(b_load.source.dtype)
     if len(dtypes) != 1:
-        return None
+        # half-precision inputs accumulated in float32 (what AccumulateHalfMatmulInFloat32
+        # makes of a bfloat16/float16 linear): the kernel computes in float32
+        if not (str(store.buffer.dtype) == "float32" and input_dtype in HALF_DTYPES
+                and str(a_load.source.dtype) == input_dtype):
+            return None
+        dtypes = {"float32"}
     b_shape = [const_int(s) for s in b_load.source.shape]
     N, K = (b_shape[0], b_shape[1]) if b_trans else (b_shape[1], b_shape[0])
     if const_int(ivs[spa[-1]].dom.extent) != N or const_int(ivs[red[0]].dom.extent) != K:
@@ -383,6 +393,7 @@ def match_matmul_block(sch: s_tir.Schedule, block) -> MatmulPattern | None:
         N=N,
         K=K,
         dtype=dtypes.pop(),
+        input_dtype=input_dtype,
     )
 
 

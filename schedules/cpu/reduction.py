@@ -124,6 +124,7 @@ class RowReduction(ScheduleRule):
             return None
         inline_spatial_producers(sch)
         blocks = common.root_blocks(sch)
+        # (an output that is also read, e.g. h of add+norm, counts as a stage: see step 3)
         outputs = [b for b in blocks if not sch.get_consumers(b)]
         if len(outputs) != 1:
             return None
@@ -174,8 +175,20 @@ class RowReduction(ScheduleRule):
             if name in rf_names:
                 order.append(rf_names[name])
             order.append(name)
+        at_root = []  # stages that write an output too (add+norm's residual): own loop nest
         for name in reversed(order):
-            sch.compute_at(sch.get_sblock(name), row, preserve_unit_loops=True)
+            try:
+                sch.compute_at(sch.get_sblock(name), row, preserve_unit_loops=True)
+            except Exception:  # pylint: disable=broad-except
+                if not common.is_spatial_block(sch, sch.get_sblock(name)):
+                    raise
+                at_root.append(name)
+        for name in at_root:
+            b = sch.get_sblock(name)
+            loops = sch.get_loops(b)
+            rows = sch.fuse(*loops[:nrows]) if nrows > 1 else loops[0]
+            if not common.decode_shaped(row_exts):
+                sch.parallel(rows)
 
         # 4. Vectorize each stage along the row.
         for name in order:

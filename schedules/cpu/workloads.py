@@ -103,13 +103,17 @@ def linear(K: int, N: int, mode="prefill", epilogue=None, dtype="float32", layou
                               layout=layout, weights_as_params=weights_as_params)])
 
 
-def linear_suite(specs) -> tvm.IRModule:
+def linear_suite(specs, graph_passes=()) -> tvm.IRModule:
     """Several linear functions in one module (one compile): specs are dicts of _emit_linear's
-    arguments, each with a distinct "name"."""
+    arguments, each with a distinct "name". `graph_passes` run on the Relax module before
+    lowering (e.g. a target's graph_passes())."""
     bb = relax.BlockBuilder()
     for spec in specs:
         _emit_linear(bb, **spec)
-    return lower_to_tir(bb.get())
+    mod = bb.get()
+    for p in graph_passes:
+        mod = p(mod)
+    return lower_to_tir(mod)
 
 
 def rms_norm(hidden: int, mode="prefill", dtype="float32", eps=1e-5) -> tvm.IRModule:

@@ -77,3 +77,29 @@ def test_keeps_the_output_dtype():
     after = UnflattenLinear()(HalfInFloatOut)["main"]
     assert op_names(after).count("relax.reshape") == 0
     assert after.ret_ty.dtype == "float32"
+
+
+@tvm.script.ir_module
+class CastFlatInput:  # a bfloat16 model's linear: float32 stream, flattened, rounded, matmul
+    @R.function
+    def main(x: R.Tensor((2, 5, 8), "float32"), w: R.Tensor((6, 8), "bfloat16")):
+        with R.dataflow():
+            flat = R.reshape(x, R.shape([10, 8]))
+            xb = R.astype(flat, "bfloat16")
+            y = R.matmul(xb, R.permute_dims(w), out_dtype="float32")
+            out = R.reshape(y, R.shape([2, 5, 6]))
+            R.output(out)
+        return out
+
+
+def test_sees_through_the_input_cast():
+    import ml_dtypes
+
+    after = UnflattenLinear()(CastFlatInput)
+    ops = op_names(after["main"])
+    assert ops.count("relax.reshape") == 0 and ops.count("relax.astype") == 1
+    x = random((2, 5, 8), 1)
+    w = random((6, 8), 2).astype(ml_dtypes.bfloat16)
+    off = compile_and_run(CastFlatInput, "main", [x, w])
+    on = compile_and_run(after, "main", [x, w])
+    np.testing.assert_allclose(on, off, rtol=1e-6, atol=1e-6)

@@ -193,3 +193,64 @@ def test_avx2_target_numerics():
                   else [tvm.runtime.tensor(w)])
             out = vm[name](tvm.runtime.tensor(x), *wp).numpy()
             np.testing.assert_allclose(out, reference_linear(x, w, epi, None), rtol=2e-4, atol=2e-3)
+
+
+# --------------------------------------------------------------------------- bfloat16 weights
+
+BF16_SPECS = [("bp_none", 72, 96, "prefill", None), ("bp_bias", 64, 100, "prefill", "bias"),
+              ("bd_residual", 64, 96, "decode", "residual"), ("bd_silu", 72, 200, "decode", "silu")]
+
+
+@pytest.mark.parametrize("prepack_weights", [True, False], ids=["packed", "row_major"])
+def test_bfloat16_linear_equals_numpy(prepack_weights):
+    """A bfloat16 linear (AccumulateHalfMatmulInFloat32: float32 sum, one rounding) through the
+    GEMM rule (weight packed at build time, still bfloat16) or the GEMV rule (row-major
+    bfloat16 weight) equals numpy on the same bf16-rounded inputs, summed in float64."""
+    import ml_dtypes
+
+    from tvm_llm.passes.accumulate_half_matmul import AccumulateHalfMatmulInFloat32
+
+    bf16 = ml_dtypes.bfloat16
+    mod = workloads.linear_suite([dict(name=n, K=k, N=nn, mode=m, epilogue=e, dtype="bfloat16")
+                                  for n, k, nn, m, e in BF16_SPECS],
+                                 graph_passes=[AccumulateHalfMatmulInFloat32()])
+    if prepack_weights:
+        mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
+    target = host_target()
+    with target:
+        mod = cpu_schedule_pass(None, prepack="auto" if prepack_weights else False)(mod)
+        funcs = workloads.prim_funcs(mod)
+        mod = relax.transform.SplitLayoutRewritePreproc()(mod)
+        mod = relax.transform.LiftTransformParams()(mod)
+    matmuls = {k: f for k, f in funcs.items() if "matmul" in k}
+    assert matmuls and all(bool(f.attrs.get("tirx.is_scheduled", False)) for f in matmuls.values())
+    assert all((GEMM_MARK in f.script()) == prepack_weights for f in matmuls.values())
+    vm = relax.VirtualMachine(tvm.compile(mod, target=target), tvm.cpu())
+    dev = tvm.cpu()
+    rng = np.random.default_rng(1)
+    for name, K, N, mode, epilogue in BF16_SPECS:
+        w = rng.standard_normal((N, K)).astype(bf16)
+        bias = rng.standard_normal((N,)).astype(bf16)
+        for M in ((1, 3) if mode == "decode" else (1, 9)):
+            xs = {"prefill": (1, M, K), "decode": (M, 1, K)}[mode]
+            x = rng.standard_normal(xs).astype(bf16)
+            acts, weights, extra = [x], [w], None
+            if epilogue == "bias":
+                extra = bias
+                weights.append(bias)
+            elif epilogue == "residual":
+                extra = rng.standard_normal(xs[:-1] + (N,)).astype(bf16)
+                acts.append(extra)
+            if prepack_weights:
+                weights = vm[f"{name}_transform_params"]([tvm.runtime.tensor(a, dev) for a in weights])
+                assert str(weights[0].dtype) == "bfloat16"  # packed, still 2 bytes per weight
+            else:
+                weights = [tvm.runtime.tensor(a, dev) for a in weights]
+            out = vm[name](*[tvm.runtime.tensor(a, dev) for a in acts], *weights).numpy()
+            assert out.dtype == bf16
+            # the kernel rounds the float32 sum to bf16, then the epilogue rounds again
+            y = (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32).astype(bf16)
+            ref = reference_linear(y.astype(np.float64), np.eye(N), epilogue,
+                                   None if extra is None else extra.astype(np.float64))
+            np.testing.assert_allclose(out.astype(np.float64), ref, rtol=2e-2, atol=2e-2,
+                                       err_msg=f"{name} M={M}")

@@ -26,6 +26,7 @@ def phase_passes(target_spec, disabled: frozenset = frozenset(), tuning_log: str
     `quant_report` gets what was quantized."""
     from tvm import relax
 
+    from .fold_casts import FoldCasts
     from .fold_identity_take import FoldIdentityTake
     from .fold_weights import LiftWeightTransforms
     from .fuse_rms_norm import FuseRMSNorm
@@ -34,11 +35,12 @@ def phase_passes(target_spec, disabled: frozenset = frozenset(), tuning_log: str
 
     entry = ["prefill", "decode", "hidden_states", "create_paged_kv_cache"]
     phases = {
-        "import_cleanup": [relax.transform.CanonicalizeBindings(), FoldIdentityTake(),
+        "import_cleanup": [relax.transform.CanonicalizeBindings(), FoldIdentityTake(), FoldCasts(),
                            relax.transform.EliminateCommonSubexpr(),
                            relax.transform.DeadCodeElimination(entry)],
         "fusion": [UnflattenLinear(), MergeParallelLinear(), FuseRMSNorm()]
                   + _quantize_passes(quantization, checkpoint_names, quant_report)
+                  + list(target_spec.graph_passes())
                   + [relax.transform.FuseTransposeMatmul()],
         "folding": [relax.transform.FoldConstant(), LiftWeightTransforms(),
                     relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(entry + ["transform_params"])],

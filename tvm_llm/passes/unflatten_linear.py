@@ -4,6 +4,8 @@ The torch importer flattens every linear's input to 2-D and reshapes the result 
 reshapes sit between a matmul and its neighbours and stop FuseOps from fusing epilogues (bias,
 activation, residual add) into the matmul kernel. A matmul broadcasts over leading axes, so the
 flattening is unnecessary: drop it when the outer reshape restores the input's leading shape.
+A half-precision model casts the flat input (reshape -> astype -> matmul): the cast is kept,
+on the unflattened input.
 """
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ def _leading_dims_equal(a, b) -> bool:
 def rewrite_function(func: relax.Function) -> tuple[relax.Function, int]:
     x, w = wildcard(), wildcard()
     flat = is_op("relax.reshape")(x, wildcard())
+    cast = is_op("relax.astype")(flat)  # a bfloat16 model rounds the flat input first
     wt = is_op("relax.permute_dims")(w)
-    mm = is_op("relax.matmul")(flat, wt)
+    mm = is_op("relax.matmul")(flat | cast, wt)
     pattern = is_op("relax.reshape")(mm, wildcard())
     count = [0]
 
@@ -33,6 +36,8 @@ def rewrite_function(func: relax.Function) -> tuple[relax.Function, int]:
         if len(in_shape) < 3 or not _leading_dims_equal(in_shape, out_shape):
             return expr
         count[0] += 1
+        if cast in matches:  # astype commutes with the reshape
+            src = relax.op.astype(src, matches[cast].ty.dtype)
         return relax.op.matmul(src, matches[wt], out_dtype=matches[mm].attrs.out_dtype)
 
     return rewrite_call(pattern, rewriter, func), count[0]

@@ -39,6 +39,11 @@ class TargetSpec:
         """TIR scheduling passes run after fusion (our rules first, then generic fallbacks)."""
         return []
 
+    def graph_passes(self) -> list:
+        """Relax passes of this target run in the fusion phase, after linear merging and
+        quantization and before FuseTransposeMatmul (graph rewrites its kernels want)."""
+        return []
+
     def supports_int8_dot(self) -> bool:
         """Whether W8A8 (--activations int8) has int8 dot-product instructions to run on."""
         return False

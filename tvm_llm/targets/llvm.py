@@ -130,6 +130,15 @@ class LLVMTarget(TargetSpec):
     def hw_key(self) -> str:
         return llvm_hw_key(self.tvm_target())
 
+    def graph_passes(self) -> list:
+        """bfloat16/float16 matmuls accumulate in float32 (the GEMM/GEMV rules then read the
+        half-precision weight, half of float32's bytes, and widen it in registers); a residual
+        add that no matmul epilogue takes is computed by the next RMSNorm's kernel."""
+        from ..passes.accumulate_half_matmul import AccumulateHalfMatmulInFloat32
+        from ..passes.fuse_add_rms_norm import FuseAddRMSNorm
+
+        return [AccumulateHalfMatmulInFloat32(), FuseAddRMSNorm()]
+
     def schedule_passes(self) -> list:
         """Our CPU rules, with weights packed at build time: the build marks the model's
         weights layout-free, the GEMM rule then reads each NT weight as packed panels

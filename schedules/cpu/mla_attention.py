@@ -44,7 +44,7 @@ def latent_decode_attention_func(num_qo_heads: int, head_dim: int, dtype: str,
         raise ValueError(f"{H_qo} query heads cannot be split into {C} equal groups")
     G = H_qo // C
     L = _lanes(D)
-    start, block, finish = _online_softmax_macros(G, D, L, dtype)
+    start, block, finish = _online_softmax_macros(G, D, L, dtype, None, H_qo)  # no variants
 
     @T.prim_func(check_well_formed=False)
     def latent_decode_attention(Q_handle: T.handle, pages_handle: T.handle,
@@ -127,6 +127,6 @@ def latent_decode_attention_func(num_qo_heads: int, head_dim: int, dtype: str,
                     for g in range(G):
                         for d in T.vectorized(D):
                             o[g, d] = o[g, d] + s[g, t] * T.Cast("float32", flat[k_base + t * D + d])
-            finish(o, m, den, output, lse, b, head0)
+            finish(o, m, den, mx, output, lse, b, head0, False, sm_scale)
 
     return latent_decode_attention

@@ -1,7 +1,9 @@
 """Architectures with attention variants, end to end against transformers (fp32, eager):
 Gemma 2 (logit soft-capping, a window on every other layer), Gemma 3 text (2 local : 1 global
 layers, windows), Mistral with a window shorter than the context (every layer slides, so the
-cache releases the pages behind the window). Windows are 4 or 8 tokens and generations run
+cache releases the pages behind the window), and the whole gpt-oss model (a sliding and a full
+layer, attention sinks, mixture-of-experts blocks, YaRN rotary scaling: the pieces of
+frontend/attention.py and frontend/moe.py together). Windows are 4 or 8 tokens and generations run
 past four windows, so the windows really slide. Built once per module with 8-token pages."""
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import tiny_models
 from tiny_models import VOCAB
 
 TOL = 1e-4
-ARCHS = ("gemma2", "gemma3_text", "mistral_sw")
-WINDOW = {"gemma2": 4, "gemma3_text": 4, "mistral_sw": 8}
+ARCHS = ("gemma2", "gemma3_text", "mistral_sw", "gpt_oss")
+WINDOW = {"gemma2": 4, "gemma3_text": 4, "mistral_sw": 8, "gpt_oss": 4}
 PAGE = 8
 
 
@@ -45,7 +47,7 @@ def _prompt(n, seed):
 def test_logits_tokens_and_pages_over_four_windows(arch, variant_builds, hf_model):
     """Prefill logits at every position and every decode step within 1e-4 of transformers,
     32 greedy tokens identical; pages in use per step: bounded by the window when every layer
-    slides (mistral), the whole sequence's when full-attention layers need it (gemma)."""
+    slides (mistral), the whole sequence's when full-attention layers need it (gemma, gpt-oss)."""
     from tvm_llm import Engine
 
     eng, ref_model = Engine(variant_builds(arch)), hf_model(arch)

@@ -1,11 +1,14 @@
 """Architectures with attention variants, end to end against transformers (fp32, eager):
 Gemma 2 (logit soft-capping, a window on every other layer), Gemma 3 text (2 local : 1 global
 layers, windows), Mistral with a window shorter than the context (every layer slides, so the
-cache releases the pages behind the window). Windows are 4 or 8 tokens and generations run
+cache releases the pages behind the window), and the whole gpt-oss model (a sliding and a full
+layer, attention sinks, mixture-of-experts blocks, YaRN rotary scaling: the pieces of
+frontend/attention.py and frontend/moe.py together). Windows are 4 or 8 tokens and generations run
 past four windows, so the windows really slide. Built once per module with 8-token pages."""
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -15,8 +18,8 @@ import tiny_models
 from tiny_models import VOCAB
 
 TOL = 1e-4
-ARCHS = ("gemma2", "gemma3_text", "mistral_sw")
-WINDOW = {"gemma2": 4, "gemma3_text": 4, "mistral_sw": 8}
+ARCHS = ("gemma2", "gemma3_text", "mistral_sw", "gpt_oss")
+WINDOW = {"gemma2": 4, "gemma3_text": 4, "mistral_sw": 8, "gpt_oss": 4}
 PAGE = 8
 
 
@@ -45,7 +48,7 @@ def _prompt(n, seed):
 def test_logits_tokens_and_pages_over_four_windows(arch, variant_builds, hf_model):
     """Prefill logits at every position and every decode step within 1e-4 of transformers,
     32 greedy tokens identical; pages in use per step: bounded by the window when every layer
-    slides (mistral), the whole sequence's when full-attention layers need it (gemma)."""
+    slides (mistral), the whole sequence's when full-attention layers need it (gemma, gpt-oss)."""
     from tvm_llm import Engine
 
     eng, ref_model = Engine(variant_builds(arch)), hf_model(arch)
@@ -142,3 +145,20 @@ def test_variant_attention_kernels_cross_compile(kind, arch):
     decode = mod["batch_decode_paged_kv"]
     assert decode.attrs["global_symbol"] == "batch_decode_paged_kv"
     assert "sm_scale < T.float32(0.0)" in decode.script()  # ours: the layer code is looked up
+
+
+def test_gpt_oss_cross_compiles_for_cuda(checkpoint, tmp_path):
+    """The whole gpt-oss model (sinks, windows, experts) builds for CUDA sm_90: its device code
+    holds the grouped expert GEMMs and the paged attention kernels. (Not run: no GPU here.)"""
+    import glob
+
+    import tvm_llm
+
+    out = str(tmp_path / "out")
+    m = tvm_llm.build(checkpoint("gpt_oss"), out, target="cuda", arch="sm_90", max_batch_size=4,
+                      prefill_chunk_size=64, emit_source=True, log=lambda *a: None)
+    assert m["target"]["name"] == "cuda" and m["target"]["arch"] == "sm_90"
+    assert m["model"]["model_type"] == "gpt_oss"
+    device = [f for f in glob.glob(os.path.join(out, "source", "*")) if "host" not in f]
+    code = "".join(open(f, errors="replace").read() for f in device)
+    assert "moe_gemm" in code and "batch_decode_paged_kv" in code

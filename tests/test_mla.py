@@ -1,10 +1,13 @@
 """DeepSeek-V3 multi-head latent attention (tvm_llm/frontend/mla.py) against transformers.
 
-A tiny random deepseek_v3 checkpoint (every layer dense: first_k_dense_replace = layers; the
-mixture-of-experts layers are tested elsewhere), with a low-rank query (q_lora_rank set) and
-DeepSeek-V3's YaRN rotary scaling for the CPU numerics, and a full-rank query (q_lora_rank
-None, the V2-Lite shape) with plain RoPE for the GPU cross-compiles, so both query paths are
-imported and built.
+Tiny random deepseek_v3 checkpoints with a low-rank query (q_lora_rank set) and DeepSeek-V3's
+YaRN rotary scaling for the CPU numerics, in two variants, each test run on both: every layer
+dense (first_k_dense_replace = layers), and DeepSeek-V3's layer mix (the first layer dense, the
+next a mixture of experts: 8 routed experts top-2 picked within the best of 2 groups by a
+sigmoid router with a score-correction bias, plus a shared expert; the router's unsorted
+top-k, frontend/relax_import._topk_converter). A full-rank query (q_lora_rank None, the
+V2-Lite shape) with plain RoPE for the GPU cross-compiles, so both query paths are imported
+and built.
 """
 from __future__ import annotations
 
@@ -30,29 +33,39 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
 
 
-def _make(path, q_lora_rank, rope_parameters=None):
+# DeepSeek-V3's layer mix, scaled down: dense first layer, then routed + shared experts
+MOE = {"first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
+       "n_group": 2, "topk_group": 1, "n_shared_experts": 1}
+
+
+def _make(path, q_lora_rank, rope_parameters=None, moe=False):
     import transformers as T
 
     extra = {"rope_parameters": rope_parameters} if rope_parameters else {}
+    dense = {"first_k_dense_replace": COMMON["num_hidden_layers"], "n_routed_experts": 4,
+             "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1}
     cfg = T.DeepseekV3Config(**extra, **{
         **COMMON, "num_key_value_heads": 4, "kv_lora_rank": LATENT, "q_lora_rank": q_lora_rank,
         "qk_rope_head_dim": ROPE, "qk_nope_head_dim": 16, "v_head_dim": 16,
-        "first_k_dense_replace": COMMON["num_hidden_layers"], "n_routed_experts": 4,
-        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1})
+        "moe_intermediate_size": 32, **(MOE if moe else dense)})
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # the router's score correction (zero at init)
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.1 * torch.randn_like(b))
     model.save_pretrained(path, safe_serialization=True)
     make_tokenizer(path)
     return path
 
 
-@pytest.fixture(scope="module")
-def mla_checkpoint(tmp_path_factory):
-    return _make(str(tmp_path_factory.mktemp("ck_deepseek_v3")), q_lora_rank=24, rope_parameters=YARN)
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def mla_checkpoint(request, tmp_path_factory):
+    return _make(str(tmp_path_factory.mktemp(f"ck_deepseek_v3_{request.param}")), q_lora_rank=24,
+                 rope_parameters=YARN, moe=request.param == "moe")
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,18 @@ def _configs():
                                               moe_intermediate_size=32,
                                               shared_expert_intermediate_size=48),
         "olmoe": lambda: T.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2),
+        # gpt-oss: a sliding (window 4) and a full layer, per-head attention sinks, 4 experts
+        # top-2 (swiglu clamped at 3, so the clamp acts: gate/up reach ~7 here; biased
+        # router), YaRN rotary scaling as the released models
+        "gpt_oss": lambda: T.GptOssConfig(**{**COMMON, "head_dim": 16}, sliding_window=4,
+                                          layer_types=["sliding_attention", "full_attention"],
+                                          num_local_experts=4, num_experts_per_tok=2,
+                                          swiglu_limit=3.0,
+                                          rope_parameters={
+                                              "rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 128,
+                                              "beta_fast": 32.0, "beta_slow": 1.0,
+                                              "rope_theta": 10000.0, "truncate": False}),
     }
 
 

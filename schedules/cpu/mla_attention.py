@@ -44,7 +44,7 @@ def latent_decode_attention_func(num_qo_heads: int, head_dim: int, dtype: str,
         raise ValueError(f"{H_qo} query heads cannot be split into {C} equal groups")
     G = H_qo // C
     L = _lanes(D)
-    start, block, finish = _online_softmax_macros(G, D, L, dtype, None, H_qo)
+    start, block, finish = _online_softmax_macros(G, D, L, dtype, None, H_qo)  # no variants
 
     @T.prim_func(check_well_formed=False)
     def latent_decode_attention(Q_handle: T.handle, pages_handle: T.handle,

@@ -136,6 +136,24 @@ def _attention_variant_converter(layers: dict, variants: dict, cache_var, source
     return {"paged_attention_variant.default": convert}
 
 
+def _topk_converter() -> dict:
+    """torch.topk with sorted=False (DeepSeek-V3's router) as a sorted top-k: an unsorted top-k
+    may return its k values in any order, sorted included, and TVM's converter refuses the flag.
+    (The router only scatters the chosen groups into a mask and gathers the chosen experts'
+    weights, so the order never changes which experts are picked.)"""
+    from tvm import relax as rx
+
+    def convert(node, importer):
+        args = importer.retrieve_args(node)
+        k = args[1] if len(args) > 1 else node.kwargs.get("k", 1)
+        dim = args[2] if len(args) > 2 else node.kwargs.get("dim", -1)
+        largest = args[3] if len(args) > 3 else node.kwargs.get("largest", True)
+        return importer.block_builder.emit(
+            rx.op.topk(args[0], k=k, axis=dim, largest=largest, ret_type="both", dtype="int64"))
+
+    return {"topk.default": convert}
+
+
 def _half_precision_converters() -> dict:
     """Converters for float16/bfloat16 models; float32 models are converted as before.
 
@@ -280,6 +298,7 @@ def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
     mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,
                                 custom_convert_map={
                                     **_half_precision_converters(),
+                                    **_topk_converter(),
                                     **_attention_converter(layers, cache_var, dtype),
                                     **mla_converters(layers, cache_var, dtype),
                                     **moe_converter(),

@@ -25,6 +25,18 @@ _HARMLESS_KWARGS = {"position_ids", "use_cache", "cache_position", "output_atten
                     "output_router_logits"}  # MoE models: the router logits output (unused)
 
 
+def check_attention_call(layer: int, kwargs: dict, dropout: float, known=frozenset()) -> None:
+    """Refuse, at trace time, an attention call whose options the kernels would ignore: keyword
+    arguments beyond the harmless ones and `known`, or dropout (a model not in eval mode)."""
+    unknown = sorted(k for k, v in kwargs.items()
+                     if v is not None and k not in _HARMLESS_KWARGS and k not in known)
+    if unknown:
+        raise UserError(f"layer {layer} passes attention options {unknown} that tvm_llm does not "
+                        "know how to compute; this model is not supported")
+    if dropout:
+        raise UserError("attention dropout is on: export the model in eval mode")
+
+
 @torch.library.custom_op("tvm_llm::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                     scale: float) -> torch.Tensor:
@@ -90,13 +102,7 @@ class AttentionGuard:
             raise UserError(f"attention module {type(module).__name__} has no layer_idx: this "
                             "architecture is not supported by the generic importer")
         variant = _layer_variant(layer, self.context_window, kwargs)
-        unknown = sorted(k for k, v in kwargs.items()
-                         if v is not None and k not in _HARMLESS_KWARGS and k not in _VARIANT_KWARGS)
-        if unknown:
-            raise UserError(f"layer {layer} passes attention options {unknown} that tvm_llm does not "
-                            "know how to compute; this model is not supported")
-        if dropout:
-            raise UserError("attention dropout is on: export the model in eval mode")
+        check_attention_call(layer, kwargs, dropout, known=_VARIANT_KWARGS)
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         if variant is not None:
@@ -106,10 +112,6 @@ class AttentionGuard:
             return out, None
         out = torch.ops.tvm_llm.paged_attention(query, key, value, int(layer), float(scaling))
         return out, None
-
-
-# gpt-oss passes its MoE flag to attention too (no attention semantics)
-_HARMLESS_KWARGS = _HARMLESS_KWARGS | {"output_router_logits"}
 
 # attention variants transformers passes as keyword arguments (see _layer_variant)
 _VARIANT_KWARGS = {"sliding_window", "softcap", "s_aux"}

@@ -46,12 +46,9 @@ import types
 import torch
 
 from ..errors import UserError
+from .attention import check_attention_call
 
 MLA_IMPLEMENTATION = "tvm_mla"
-# kwargs transformers passes that carry no attention semantics the cache must honour
-_HARMLESS_KWARGS = {"position_ids", "use_cache", "cache_position", "output_attentions",
-                    "position_embeddings", "is_causal", "cu_seq_lens_q", "cu_seq_lens_k",
-                    "max_length_q", "max_length_k", "output_hidden_states"}
 
 
 @torch.library.custom_op("tvm_llm::mla_attention", mutates_args=())
@@ -93,12 +90,7 @@ def _mla_interface(module, query, key, value, attention_mask, scaling=None, drop
     if layer is None or not getattr(module, "_tvm_latent_kv", False):
         raise UserError(f"attention module {type(module).__name__} is not a latent-attention layer "
                         "tvm_llm prepared; this architecture is not supported")
-    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _HARMLESS_KWARGS)
-    if unknown:
-        raise UserError(f"layer {layer} passes attention options {unknown} that tvm_llm does not "
-                        "know how to compute; this model is not supported")
-    if dropout:
-        raise UserError("attention dropout is on: export the model in eval mode")
+    check_attention_call(layer, kwargs, dropout)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     out = torch.ops.tvm_llm.mla_attention(query, key, value, module.kv_b_proj.weight, int(layer),

@@ -112,3 +112,19 @@ def test_temperature_sharpens_the_distribution():
     cold = sum(sample(logits, SamplingParams(temperature=0.1), rng) == 0 for _ in range(500))
     hot = sum(sample(logits, SamplingParams(temperature=5.0), rng) == 0 for _ in range(500))
     assert cold > 490 and 200 < hot < 350
+
+
+def test_a_prefill_call_longer_than_the_chunk_is_a_user_error(engine):
+    """The low-level prefill takes at most one chunk (its activations are planned for that);
+    more is a UserError naming both sizes, and the engine still serves afterwards."""
+    from tvm_llm.errors import UserError
+
+    chunk = engine.cache.prefill_chunk_size
+    sid = engine.cache.add()
+    try:
+        with pytest.raises(UserError, match=f"got {chunk + 1} tokens.*prefill chunk is {chunk}"):
+            engine.prefill([(sid, [5] * (chunk + 1))])
+        assert engine.prefill([(sid, [5] * chunk)]).shape[0] == 1
+    finally:
+        engine.cache.remove(sid)
+    assert len(engine.generate_ids([PROMPTS[0]], max_new_tokens=4, ignore_eos=True)[0]) == 4

@@ -195,6 +195,11 @@ class Engine:
 
     def prefill_positions(self, seq_ids, lengths, ids, pos, logit_positions) -> np.ndarray:
         """Low-level prefill: explicit positions and the token indices to return logits for."""
+        total, chunk = int(sum(lengths)), self.cache.prefill_chunk_size
+        if total > chunk:  # the prefill's activation memory is planned for one chunk
+            raise UserError(f"one prefill call got {total} tokens but this build's prefill chunk is "
+                            f"{chunk}; split the prompt into chunks of at most {chunk} tokens "
+                            "(generate/add do this), or rebuild with a larger --prefill-chunk-size")
         with self._lock:
             self.cache.begin(seq_ids, lengths)
             try:

@@ -80,11 +80,6 @@ def vector_lanes(target: Target, dtype: str = "float32") -> int:
     return max(1, vector_bits(target) // bits)
 
 
-def num_vector_registers(target: Target) -> int:
-    isa = vector_isa(target)
-    return {"avx512": 32, "avx2": 16, "sse": 16, "neon": 32}.get(isa, 16)
-
-
 def num_cores(target: Target) -> int:
     n = target.attrs.get("num-cores", None)
     try:
@@ -118,13 +113,6 @@ def decode_shaped(extents) -> bool:
         if a is None and b == 1:
             return True
     return False
-
-
-def largest_divisor(n: int, candidates) -> int:
-    for c in candidates:
-        if c >= 1 and n % c == 0:
-            return c
-    return 1
 
 
 def pow2_divisor(n: int, cap: int) -> int:

@@ -19,11 +19,6 @@ def register_target(name):
     return deco
 
 
-def target_names():
-    _load_all()
-    return sorted(_REGISTRY)
-
-
 def _load_all():
     # Importing the modules registers them; GPU modules import lazily-needed tools only when used.
     from . import llvm  # noqa: F401

@@ -64,9 +64,6 @@ class CUDATarget(TargetSpec):
     def hw_key(self) -> str:
         return f"cuda-{self.arch}"
 
-    def max_dynamic_shared_memory(self) -> int:
-        return CUDA_ARCHS[self.arch]
-
     def schedule_passes(self) -> list:
         from schedules.cuda import cuda_schedule_passes
 

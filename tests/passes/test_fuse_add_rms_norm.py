@@ -77,3 +77,25 @@ def test_fused_kernel_equals_unfused_pair():
 def test_not_fired_when_add_fuses_into_matmul():
     after = FuseAddRMSNorm()(FedByMatmul)
     assert "relax.add" in op_names(after["main"]) and "relax.call_tir" not in op_names(after["main"])
+
+
+@tvm.script.ir_module
+class WeightAfterAdd:  # Gemma: the norm's weight (1 + w) is computed after the residual add
+    @R.function
+    def main(x: R.Tensor(("n", 64), "float32"), o: R.Tensor(("n", 64), "float32"),
+             w: R.Tensor((64,), "float32")):
+        with R.dataflow():
+            h = R.add(x, o)
+            w1 = R.add(w, R.const(1.0, "float32"))
+            y = R.nn.rms_norm(h, w1, axes=[-1], epsilon=1e-5)
+            out = R.tuple(h, y)
+            R.output(out)
+        return out
+
+
+def test_left_alone_when_the_norm_weight_is_computed_after_the_add():
+    """The fused kernel would run where the add is, before its weight exists (this broke the
+    Gemma 2/3 builds): the pair stays unfused and the module stays well formed."""
+    after = FuseAddRMSNorm()(WeightAfterAdd)
+    assert "relax.nn.rms_norm" in op_names(after["main"])
+    relax.transform.FuseTransposeMatmul()(after)  # walks use-def chains: fails on use-before-def

@@ -48,6 +48,7 @@ def find_pairs(func: relax.Function, mod: tvm.IRModule) -> dict:
     """{add var: rms_norm binding var} for the adds this pass fuses: same-shape operands (no
     broadcast), neither made by a kernel the add would otherwise fuse into."""
     values = {b.var: b.value for block in func.body.blocks for b in block.bindings}
+    order = {var: i for i, var in enumerate(values)}
     pairs = {}
     for var, value in values.items():
         if not is_op(value, "relax.nn.rms_norm"):
@@ -61,6 +62,9 @@ def find_pairs(func: relax.Function, mod: tvm.IRModule) -> dict:
         if None in shapes or not tvm_ffi.structural_equal(shapes[0], shapes[1]):
             continue
         if any(_fusable_producer(mod, values.get(o), values) for o in (a, b)):
+            continue
+        weight = value.args[1]  # the fused kernel runs where the add was: its weight must exist
+        if order.get(weight, -1) > order[src]:  # there (Gemma's 1 + w is computed after the add)
             continue
         pairs[src] = var
     return pairs
@@ -106,7 +110,8 @@ class _Fuser(PyExprMutator):
 def fuse_module(mod: tvm.IRModule) -> tuple[tvm.IRModule, int]:
     fuser = _Fuser(mod)
     for gv, func in list(mod.functions_items()):
-        if isinstance(func, relax.Function) and isinstance(func.body, relax.SeqExpr):
+        if (isinstance(func, relax.Function) and isinstance(func.body, relax.SeqExpr)
+                and find_pairs(func, mod)):  # functions with nothing to fuse stay as they are
             new = fuser.run(func)
             fuser.builder_.update_func(gv, new)
     return fuser.builder_.get(), fuser.count

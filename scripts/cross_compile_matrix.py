@@ -4,7 +4,8 @@
 
 The suite cross-compiles the new attention and expert kernels on their own and a few whole
 models (gpt-oss for CUDA, DeepSeek-V3 with dense layers for both); building every tiny model
-for both GPUs costs ~15 minutes on 2 cores, too much for CI, so this script does it on demand.
+for both GPUs (16 builds, ~4 minutes on 2 cores) would add that much to CI, so this script does
+it on demand.
 Each checkpoint is the tests' own (tests/tiny_models.py, tests/test_mla.py's MoE variant); a
 build that fails prints its one-line error and the script exits 1. No GPU is needed (nor used).
 """

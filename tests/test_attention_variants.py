@@ -12,12 +12,11 @@ import os
 
 import numpy as np
 import pytest
-import torch
 
 import tiny_models
+from test_end_to_end import check_against_transformers
 from tiny_models import VOCAB
 
-TOL = 1e-4
 ARCHS = ("gemma2", "gemma3_text", "mistral_sw", "gpt_oss")
 WINDOW = {"gemma2": 4, "gemma3_text": 4, "mistral_sw": 8, "gpt_oss": 4}
 PAGE = 8
@@ -55,26 +54,11 @@ def test_logits_tokens_and_pages_over_four_windows(arch, variant_builds, hf_mode
     window = WINDOW[arch]
     prompt, n_new = _prompt(11, seed=1), 32
     assert len(prompt) + n_new > 4 * window
-    sid = eng.cache.add()
-    n = len(prompt)
-    pre = eng.prefill_positions([sid], [n], np.array([prompt]), np.arange(n)[None], np.arange(n))[0]
-    steps, tokens, pages = [], [int(pre[-1].argmax())], []
-    for _ in range(n_new - 1):
-        row = eng.decode_step([sid], [tokens[-1]])[0]
-        steps.append(row)
-        tokens.append(int(row.argmax()))
-        pages.append(eng.cache.used_pages())
-    eng.cache.remove(sid)
-    with torch.no_grad():
-        ref = ref_model(torch.tensor([prompt + tokens[:-1]])).logits[0].numpy()
-        hf_tokens = ref_model.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False,
-                                       eos_token_id=None, pad_token_id=0)[0, n:].tolist()
-    assert np.abs(pre - ref[:n]).max() < TOL
-    for i, row in enumerate(steps):  # decode step i predicts position n + i
-        assert np.abs(row - ref[n + i]).max() < TOL, f"decode step {i}"
-    assert tokens == hf_tokens
+    pages = []
+    check_against_transformers(eng, ref_model, prompt, n_new,
+                               after_step=lambda: pages.append(eng.cache.used_pages()))
     print(f"{arch}: pages in use after each decode step: {pages}")
-    lengths = range(n + 1, n + n_new)
+    lengths = range(len(prompt) + 1, len(prompt) + n_new)
     if arch == "mistral_sw":  # the cache keeps the window only
         assert max(pages) <= math.ceil(window / PAGE) + 1 < math.ceil(max(lengths) / PAGE)
     else:  # full layers keep every token: the pages follow the length

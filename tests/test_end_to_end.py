@@ -20,12 +20,11 @@ def _engine(out):
     return Engine(out)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_prefill_decode_logits_and_greedy_tokens_match_transformers(arch, built, hf_model):
-    eng, ref_model = _engine(built(arch)), hf_model(arch)
-    prompt = _prompt(11, seed=1)
-    n_new = 32
-    # prefill: logits of every prompt position
+def check_against_transformers(eng, ref_model, prompt, n_new=32, after_step=None) -> list:
+    """Prefill logits at every prompt position and each of `n_new - 1` decode steps within TOL
+    of transformers (eager, on the same weights), the greedy tokens identical to its generate,
+    and the engine's own greedy loop too. `after_step()` runs after each decode step (e.g. to
+    read the cache's pages). Returns the greedy tokens."""
     sid = eng.cache.add()
     n = len(prompt)
     pre = eng.prefill_positions([sid], [n], np.array([prompt]), np.arange(n)[None], np.arange(n))[0]
@@ -34,10 +33,11 @@ def test_prefill_decode_logits_and_greedy_tokens_match_transformers(arch, built,
         row = eng.decode_step([sid], [tokens[-1]])[0]
         steps.append(row)
         tokens.append(int(row.argmax()))
+        if after_step is not None:
+            after_step()
     eng.cache.remove(sid)
-    full = torch.tensor([prompt + tokens[:-1]])
     with torch.no_grad():
-        ref = ref_model(full).logits[0].numpy()
+        ref = ref_model(torch.tensor([prompt + tokens[:-1]])).logits[0].numpy()
         hf_tokens = ref_model.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False,
                                        eos_token_id=None, pad_token_id=0)[0, n:].tolist()
     assert np.abs(pre - ref[:n]).max() < TOL
@@ -46,6 +46,12 @@ def test_prefill_decode_logits_and_greedy_tokens_match_transformers(arch, built,
     assert tokens == hf_tokens
     # the engine's own greedy loop gives the same tokens
     assert eng.generate_ids([prompt], max_new_tokens=n_new, ignore_eos=True)[0] == hf_tokens
+    return tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_decode_logits_and_greedy_tokens_match_transformers(arch, built, hf_model):
+    check_against_transformers(_engine(built(arch)), hf_model(arch), _prompt(11, seed=1))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

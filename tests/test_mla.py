@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
+from test_end_to_end import check_against_transformers
 from tiny_models import COMMON, VOCAB, make_tokenizer
 
-TOL = 1e-4
 LATENT, ROPE = 32, 8  # kv_lora_rank, qk_rope_head_dim
 
 
@@ -88,26 +88,7 @@ def mla_ref(mla_checkpoint):
 def test_prefill_decode_logits_and_greedy_tokens_match_transformers(mla_built, mla_ref):
     from tvm_llm import Engine
 
-    eng = Engine(mla_built)
-    prompt, n_new = _prompt(11, seed=1), 32
-    sid = eng.cache.add()
-    n = len(prompt)
-    pre = eng.prefill_positions([sid], [n], np.array([prompt]), np.arange(n)[None], np.arange(n))[0]
-    steps, tokens = [], [int(pre[-1].argmax())]
-    for _ in range(n_new - 1):
-        row = eng.decode_step([sid], [tokens[-1]])[0]
-        steps.append(row)
-        tokens.append(int(row.argmax()))
-    eng.cache.remove(sid)
-    with torch.no_grad():
-        ref = mla_ref(torch.tensor([prompt + tokens[:-1]])).logits[0].numpy()
-        hf_tokens = mla_ref.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)[0, n:].tolist()
-    assert np.abs(pre - ref[:n]).max() < TOL
-    for i, row in enumerate(steps):  # decode step i predicts position n + i
-        assert np.abs(row - ref[n + i]).max() < TOL, f"decode step {i}"
-    assert tokens == hf_tokens
-    assert eng.generate_ids([prompt], max_new_tokens=n_new, ignore_eos=True)[0] == hf_tokens
+    check_against_transformers(Engine(mla_built), mla_ref, _prompt(11, seed=1))
 
 
 def test_ragged_batch_and_forked_samples_decode_like_each_prompt_alone(mla_built):

@@ -79,8 +79,8 @@ class _Fuser(PyExprMutator):
         self.values = {}
         self.count = 0
 
-    def run(self, func: relax.Function) -> relax.Function:
-        self.pairs = find_pairs(func, self.mod_)
+    def run(self, func: relax.Function, pairs: dict) -> relax.Function:
+        self.pairs = pairs
         self.values = {b.var: b.value for blk in func.body.blocks for b in blk.bindings}
         self.norm_of = {}  # rms_norm var -> fused tuple var
         return self.visit_expr(func)
@@ -110,9 +110,11 @@ class _Fuser(PyExprMutator):
 def fuse_module(mod: tvm.IRModule) -> tuple[tvm.IRModule, int]:
     fuser = _Fuser(mod)
     for gv, func in list(mod.functions_items()):
-        if (isinstance(func, relax.Function) and isinstance(func.body, relax.SeqExpr)
-                and find_pairs(func, mod)):  # functions with nothing to fuse stay as they are
-            new = fuser.run(func)
+        if not (isinstance(func, relax.Function) and isinstance(func.body, relax.SeqExpr)):
+            continue
+        pairs = find_pairs(func, mod)
+        if pairs:  # functions with nothing to fuse stay as they are
+            new = fuser.run(func, pairs)
             fuser.builder_.update_func(gv, new)
     return fuser.builder_.get(), fuser.count
 

@@ -31,8 +31,11 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .fast_math import fast_exp_expr
+
 PAGE_SIZES = (8, 16, 32, 64, 128)  # page sizes the kernels are built for (tokens per page)
 LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,32 @@ def _window_start(window, q_pos, k_pos0):
     return T.Select(window > 0, T.max(q_pos - window + 1 - k_pos0, 0), 0)
 
 
+def _exp2(x):
+    """2^x as vector-friendly arithmetic (schedules/cpu/fast_math.py), not a libm call per key."""
+    return fast_exp_expr(x * T.float32(LN2), "float32")
+
+
+def _dot(q, g, K, base, D: int, L: int):
+    """q[g, :] . K[base : base + D] as one expression: L-lane products summed over the head
+    dim in vector registers, then the lanes folded in halves (log2 L shuffles and adds; a
+    serial sum of the lanes chained L dependent scalar adds per key)."""
+    vec = f"float32x{L}" if L > 1 else "float32"
+    acc = None
+    for d0 in range(D // L):
+        k = K.vload([base + d0 * L], f"{K.dtype}x{L}" if L > 1 else K.dtype)
+        if K.dtype != "float32":
+            k = tirx.Cast(vec, k)
+        term = q.vload([g, d0 * L], vec) * k
+        acc = term if acc is None else acc + term
+    n = L
+    while n > 1:
+        h = n // 2
+        acc = (tirx.Shuffle([acc], [tirx.const(i, "int32") for i in range(h)])
+               + tirx.Shuffle([acc], [tirx.const(i, "int32") for i in range(h, n)]))
+        n = h
+    return acc
+
+
 def _lanes(D: int) -> int:
     for lanes in (16, 8, 4, 2):
         if D % lanes == 0:
@@ -143,31 +172,34 @@ def _online_softmax_macros(G: int, D: int, L: int, dtype: str, table: LayerTable
     @T.macro
     def block(q, o, m, den, s, part, mx, K, V, k_base, v_base, stride, ntok, sm_scale):
         for g in range(G):
-            mx[0] = m[g]
             for t in range(ntok):
-                for l in T.vectorized(L):
-                    part[l] = T.float32(0)
-                for d0 in range(D // L):
-                    for l in T.vectorized(L):
-                        part[l] = part[l] + q[g, d0 * L + l] * T.Cast(
-                            "float32", K[k_base + t * stride + d0 * L + l])
-                s[t] = T.float32(0)
-                for l in range(L):
-                    s[t] = s[t] + part[l]
                 if capped:
                     s[t] = T.Select(_cap2(table, sm_scale) > T.float32(0),
-                                    _cap2(table, sm_scale) * T.tanh(s[t] / _cap2(table, sm_scale)),
-                                    s[t])
+                                    _cap2(table, sm_scale) * T.tanh(
+                                        _dot(q, g, K, k_base + t * stride, D, L)
+                                        / _cap2(table, sm_scale)),
+                                    _dot(q, g, K, k_base + t * stride, D, L))
+                else:
+                    s[t] = _dot(q, g, K, k_base + t * stride, D, L)
+            mx[0] = m[g]
+            for t in range(ntok):
                 mx[0] = T.max(mx[0], s[t])
-            rescale = T.exp2(m[g] - mx[0])
+            rescale = _exp2(m[g] - mx[0])
             den[g] = den[g] * rescale
             for d in T.vectorized(D):
                 o[g, d] = o[g, d] * rescale
+            if ntok == s.shape[0]:  # a full block: the exponentials as one vector
+                for t in T.vectorized(s.shape[0]):
+                    s[t] = _exp2(s[t] - mx[0])
+            else:
+                for t in range(ntok):
+                    s[t] = _exp2(s[t] - mx[0])
             for t in range(ntok):
-                e = T.exp2(s[t] - mx[0])
-                den[g] = den[g] + e
+                den[g] = den[g] + s[t]
+            # value rows: each L-lane slice of the output row stays in a register over the keys
+            for t in range(ntok):
                 for d in T.vectorized(D):
-                    o[g, d] = o[g, d] + e * T.Cast("float32", V[v_base + t * stride + d])
+                    o[g, d] = o[g, d] + s[t] * T.Cast("float32", V[v_base + t * stride + d])
             m[g] = mx[0]
 
     @T.macro

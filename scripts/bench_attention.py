@@ -1,0 +1,130 @@
+#!/usr/bin/env python
+"""Time the CPU attention kernels alone (schedules/cpu/attention.py) on the llama-110m shape.
+
+    python scripts/bench_attention.py [--threads 2] [--heads 12 --kv-heads 12 --head-dim 64]
+
+decode: one query token per sequence over 128/512/2048 cached tokens, batch 1 and 8 (GB/s of
+K and V read); prefill: the ragged causal prefill over 128 and 512 new tokens (GFLOP/s of the
+causal q.k and p.v products). Each figure is the fastest of several runs (least disturbed on a shared machine).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load_baseline(rev: str):
+    """schedules/cpu/attention.py as of git `rev`, imported beside the current one."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = subprocess.run(["git", "show", f"{rev}:schedules/cpu/attention.py"], cwd=root,
+                          check=True, capture_output=True, text=True).stdout
+    path = os.path.join(tempfile.mkdtemp(), "attention_baseline.py")
+    with open(path, "w") as f:
+        f.write(text)
+    spec = importlib.util.spec_from_file_location("schedules.cpu.attention_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--kv-heads", type=int, default=12)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--only", choices=("decode", "prefill"), default=None)
+    ap.add_argument("--baseline", metavar="REV", default=None,
+                    help="also time schedules/cpu/attention.py as of git REV, interleaved")
+    args = ap.parse_args()
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    import numpy as np
+    import tvm
+
+    import schedules.cpu.attention as current
+    versions = {"": current}
+    if args.baseline:
+        versions = {"now ": current, "base": _load_baseline(args.baseline)}
+    from tvm_llm.targets.llvm import LLVMTarget
+
+    target = LLVMTarget().tvm_target()
+    H_kv, H, D, P, dt = args.kv_heads, args.heads, args.head_dim, args.page, args.dtype
+    dev = tvm.cpu()
+    rng = np.random.default_rng(0)
+
+    def t(a):
+        return tvm.runtime.tensor(a, dev)
+
+    def cast(a):
+        if dt == "float32":
+            return a.astype("float32")
+        import ml_dtypes
+        return a.astype(ml_dtypes.bfloat16)
+
+    def timeit(f, *a, n=None):
+        f(*a)
+        reps = n or 5
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            inner = 20
+            for _ in range(inner):
+                f(*a)
+            times.append((time.perf_counter() - t0) / inner)
+        return min(times)  # the least disturbed run (the machine may be shared)
+
+    if args.only in (None, "decode"):
+        decs = {k: tvm.compile(tvm.IRModule({"main": m.decode_attention_func(H_kv, H, D, dt, P)}),
+                               target=target)["main"] for k, m in versions.items()}
+        for B in (1, 8):
+            for ctx in (128, 512, 2048):
+                npg = -(-ctx // P)
+                pages = t(cast(rng.standard_normal((B * npg + 1, 2, H_kv, P, D))))
+                indptr = t(np.arange(B + 1, dtype="int32") * npg)
+                values = t(rng.permutation(B * npg).astype("int32"))
+                last = t(np.full(B, (ctx - 1) % P + 1, "int32"))
+                zeros = t(np.zeros(B, "int32"))
+                pos = t(np.full(B, ctx - 1, "int32"))
+                q = t(cast(rng.standard_normal((B, H, D))))
+                out = t(cast(np.zeros((B, H, D))))
+                lse = t(np.zeros((B, H), "float32"))
+                nbytes = B * ctx * 2 * H_kv * D * (4 if dt == "float32" else 2)
+                for name, dec in decs.items():
+                    sec = timeit(dec, q, pages, indptr, values, last, zeros, pos, out, lse, 0,
+                                 1.0, 1e4, 0.125)
+                    print(f"{name}decode  batch {B} context {ctx:5d}: {sec * 1e6:8.1f} us  "
+                          f"{nbytes / sec / 1e9:6.1f} GB/s", flush=True)
+    if args.only in (None, "prefill"):
+        rags = {k: tvm.compile(tvm.IRModule({"main": m.prefill_ragged_attention_func(
+            H_kv, H, D, dt)}), target=target)["main"] for k, m in versions.items()}
+        for n in (128, 512):
+            q = t(cast(rng.standard_normal((n, H, D))))
+            k = t(cast(rng.standard_normal((n, H_kv, D))))
+            v = t(cast(rng.standard_normal((n, H_kv, D))))
+            ind = t(np.array([0, n], "int32"))
+            qpos = t(np.arange(n, dtype="int32"))
+            koff = t(np.zeros(1, "int32"))
+            out = t(cast(np.zeros((n, H, D))))
+            lse = t(np.zeros((n, H), "float32"))
+            flops = 2 * 2 * H * D * n * (n + 1) / 2
+            for name, rag in rags.items():
+                sec = timeit(rag, q, ind, k, v, ind, qpos, koff, out, lse, 1, 0, 1.0, 1e4, 0.125,
+                             n=3)
+                print(f"{name}prefill ragged {n:4d} tokens: {sec * 1e3:8.3f} ms  "
+                      f"{flops / sec / 1e9:6.1f} GFLOP/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -115,9 +115,9 @@ def test_variant_attention_kernels_cross_compile(kind, arch):
     target = spec.tvm_target()
     table = LayerTable((0.25, 0.25), (4, 0), (50.0, 0.0), ((0.5, -1.0, 2.0, 0.0), (1.0,) * 4))
     shape = (2, 4, 16, "float16")
-    kernels = [decode_attention_func(*shape, 16, table),  # (sliding layouts: the same code)
-               prefill_paged_attention_func(*shape, 16, table),
-               prefill_ragged_attention_func(*shape, table)]
+    kernels = [decode_attention_func(*shape, 16, table, vector=False),  # (sliding: same code)
+               prefill_paged_attention_func(*shape, 16, table, vector=False),
+               prefill_ragged_attention_func(*shape, table, vector=False)]
     funcs = {f"k{i}": for_gpu(f).with_attr("global_symbol", f"k{i}") for i, f in enumerate(kernels)}
     with target, tvm.transform.PassContext(opt_level=3, config=spec.pass_context_config()):
         lib = tvm.compile(tvm.IRModule(funcs), target=target, tir_pipeline=spec.tir_pipeline())

@@ -116,10 +116,17 @@ def _exp2(x):
     return fast_exp_expr(x * T.float32(LN2), "float32")
 
 
-def _dot(q, g, K, base, D: int, L: int):
+def _dot(q, g, K, base, D: int, L: int, vector: bool = True):
     """q[g, :] . K[base : base + D] as one expression: L-lane products summed over the head
     dim in vector registers, then the lanes folded in halves (log2 L shuffles and adds; a
-    serial sum of the lanes chained L dependent scalar adds per key)."""
+    serial sum of the lanes chained L dependent scalar adds per key). `vector=False`: a
+    scalar sum (GPU builds, whose codegen has no wide vector types)."""
+    if not vector:
+        acc = None
+        for d in range(D):
+            term = q[g, d] * tirx.Cast("float32", K[base + d])
+            acc = term if acc is None else acc + term
+        return acc
     vec = f"float32x{L}" if L > 1 else "float32"
     acc = None
     for d0 in range(D // L):
@@ -145,7 +152,7 @@ def _lanes(D: int) -> int:
 
 
 def _online_softmax_macros(G: int, D: int, L: int, dtype: str, table: LayerTable | None,
-                           H_qo: int):
+                           H_qo: int, vector: bool = True):
     """The per-(row, KV head) attention steps the kernels share, as TVMScript macros over
     local buffers q (G, D), o (G, D), m (G,), den (G,), s (block,), part (L,), mx (1,):
 
@@ -176,11 +183,11 @@ def _online_softmax_macros(G: int, D: int, L: int, dtype: str, table: LayerTable
                 if capped:
                     s[t] = T.Select(_cap2(table, sm_scale) > T.float32(0),
                                     _cap2(table, sm_scale) * T.tanh(
-                                        _dot(q, g, K, k_base + t * stride, D, L)
+                                        _dot(q, g, K, k_base + t * stride, D, L, vector)
                                         / _cap2(table, sm_scale)),
-                                    _dot(q, g, K, k_base + t * stride, D, L))
+                                    _dot(q, g, K, k_base + t * stride, D, L, vector))
                 else:
-                    s[t] = _dot(q, g, K, k_base + t * stride, D, L)
+                    s[t] = _dot(q, g, K, k_base + t * stride, D, L, vector)
             mx[0] = m[g]
             for t in range(ntok):
                 mx[0] = T.max(mx[0], s[t])
@@ -267,18 +274,19 @@ def _owns_sink(table, sliding: bool, n_keys, k_pos0, q_pos):
 
 def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
                           page_size: int = 16, table: LayerTable | None = None,
-                          sliding: bool = False):
+                          sliding: bool = False, vector: bool = True):
     """`page_size`: tokens per KV page; the kernel is compiled for one (the cache's pages
     buffer is matched with that extent, so another page size is a run-time shape error).
     `table`: per-layer variants (a layer code in sm_scale). `sliding`: the kernel for the
-    cache's sliding-window page layout (`batch_decode_paged_kv_cpu_sliding_window`)."""
+    cache's sliding-window page layout (`batch_decode_paged_kv_cpu_sliding_window`).
+    `vector=False`: no CPU vector expressions (a GPU build, see `for_gpu`)."""
     if page_size not in PAGE_SIZES:
         raise ValueError(f"page_size {page_size} is not one of {PAGE_SIZES}")
     PAGE = page_size
     H_kv, H_qo, D = num_kv_heads, num_qo_heads, head_dim
     G = H_qo // H_kv
     L = _lanes(D)
-    start, block, finish = _online_softmax_macros(G, D, L, dtype, table, H_qo)
+    start, block, finish = _online_softmax_macros(G, D, L, dtype, table, H_qo, vector)
     over_pages = _over_pages_macro(block, PAGE, H_kv, D)
     symbol = "batch_decode_paged_kv_cpu" + ("_sliding_window" if sliding else "")
 
@@ -343,17 +351,18 @@ def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, d
 
 def prefill_paged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
                                  page_size: int = 16, table: LayerTable | None = None,
-                                 sliding: bool = False):
+                                 sliding: bool = False, vector: bool = True):
     """Replacement for TVM's `batch_prefill_paged_kv_cpu` (and its `_sliding_window` variant):
     the new tokens of a prefill attending to their sequences' cached pages (a prompt continued,
-    a prefix shared by a fork), same signature. Items are (query row, KV head), in parallel."""
+    a prefix shared by a fork), same signature. Items are (query row, KV head), in parallel.
+    `vector=False`: no CPU vector expressions (a GPU build, see `for_gpu`)."""
     if page_size not in PAGE_SIZES:
         raise ValueError(f"page_size {page_size} is not one of {PAGE_SIZES}")
     PAGE = page_size
     H_kv, H_qo, D = num_kv_heads, num_qo_heads, head_dim
     G = H_qo // H_kv
     L = _lanes(D)
-    start, block, finish = _online_softmax_macros(G, D, L, dtype, table, H_qo)
+    start, block, finish = _online_softmax_macros(G, D, L, dtype, table, H_qo, vector)
     over_pages = _over_pages_macro(block, PAGE, H_kv, D)
     symbol = "batch_prefill_paged_kv_cpu" + ("_sliding_window" if sliding else "")
 
@@ -430,7 +439,7 @@ def prefill_paged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim:
 
 
 def prefill_ragged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
-                                  table: LayerTable | None = None):
+                                  table: LayerTable | None = None, vector: bool = True):
     """Replacement for TVM's `tir_attention_prefill_ragged_cpu` (attention among the new tokens
     of a prefill, several sequences packed in one ragged batch), same signature.
 
@@ -440,12 +449,13 @@ def prefill_ragged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim
     rescale per block, vectorized over the head dim; items run in parallel, rows paired from
     both ends of the ragged batch (row j with row n-1-j) so that threads get equal causal work.
     The query's own token is always among these keys, so the sink (if any) is added here.
+    `vector=False`: no CPU vector expressions (a GPU build, see `for_gpu`).
     """
     H_kv, H_qo, D = num_kv_heads, num_qo_heads, head_dim
     G = H_qo // H_kv
     L = _lanes(D)
     BLK = 16
-    start, block, finish = _online_softmax_macros(G, D, L, dtype, table, H_qo)
+    start, block, finish = _online_softmax_macros(G, D, L, dtype, table, H_qo, vector)
     sinks = table is not None and table.sinks is not None
 
     @T.prim_func(check_well_formed=False)
@@ -520,9 +530,15 @@ def for_gpu(func, threads: int = 64):
     """The same kernel for a GPU: its parallel loop over items becomes blocks of `threads`
     threads, one item per thread, and vector loops become serial ones. Correct, not fast: it
     serves models whose attention variants TVM's GPU kernels cannot compute (per-layer tables:
-    windows by position, soft-caps, sinks), under the names of the kernels it replaces."""
+    windows by position, soft-caps, sinks), under the names of the kernels it replaces.
+    The kernel must be built with `vector=False` (GPU codegen has no 16-lane float type)."""
     import tvm
     import tvm_ffi
+
+    shuffles = []
+    tvm_ffi.structural_map(func, [(tirx.Shuffle, lambda n: shuffles.append(n) or n)])
+    if shuffles:
+        raise ValueError("for_gpu: build the attention kernel with vector=False")
 
     def serial(loop):
         if loop.kind == tirx.ForKind.VECTORIZED:

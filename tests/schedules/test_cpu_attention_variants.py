@@ -47,9 +47,11 @@ def gpu_kernels():
     from schedules.cuda.verify import build_serial_on_cpu
 
     table = LayerTable(SCALES, WINDOWS, CAPS, SINKS)
-    funcs = {"decode": decode_attention_func(H_KV, H_QO, D, "float32", PAGE, table),
-             "paged": prefill_paged_attention_func(H_KV, H_QO, D, "float32", PAGE, table),
-             "ragged": prefill_ragged_attention_func(H_KV, H_QO, D, "float32", table)}
+    funcs = {"decode": decode_attention_func(H_KV, H_QO, D, "float32", PAGE, table, vector=False),
+             "paged": prefill_paged_attention_func(H_KV, H_QO, D, "float32", PAGE, table,
+                                                   vector=False),
+             "ragged": prefill_ragged_attention_func(H_KV, H_QO, D, "float32", table,
+                                                     vector=False)}
     del tvm
     return {k: build_serial_on_cpu(for_gpu(f))["main"] for k, f in funcs.items()}
 

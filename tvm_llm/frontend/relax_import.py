@@ -511,12 +511,13 @@ def _add_gpu_variant_attention(kv_mod, attn: AttentionShape, dtype: str) -> None
     shape = (attn.num_kv_heads, attn.num_heads, attn.head_dim, dtype)
     table = attn.layer_table()
     kernels = {
-        "batch_decode_paged_kv": decode_attention_func(*shape, 16, table),
-        "batch_decode_paged_kv_sliding_window": decode_attention_func(*shape, 16, table, True),
-        "batch_prefill_paged_kv": prefill_paged_attention_func(*shape, 16, table),
-        "batch_prefill_paged_kv_sliding_window": prefill_paged_attention_func(*shape, 16, table,
-                                                                              True),
-        "batch_prefill_ragged_kv": prefill_ragged_attention_func(*shape, table),
+        "batch_decode_paged_kv": decode_attention_func(*shape, 16, table, vector=False),
+        "batch_decode_paged_kv_sliding_window": decode_attention_func(*shape, 16, table, True,
+                                                                      vector=False),
+        "batch_prefill_paged_kv": prefill_paged_attention_func(*shape, 16, table, vector=False),
+        "batch_prefill_paged_kv_sliding_window": prefill_paged_attention_func(
+            *shape, 16, table, True, vector=False),
+        "batch_prefill_ragged_kv": prefill_ragged_attention_func(*shape, table, vector=False),
     }
     names = {gv.name_hint for gv in kv_mod.get_global_vars()}
     for name, func in kernels.items():

@@ -1,0 +1,91 @@
+"""The plain CPU attention kernels (schedules/cpu/attention.py, no per-layer table) against a
+numpy softmax attention, at head dims that take the dot product's lane folding through its
+several widths (64: four 16-lane slices; 24: three 8-lane slices) and lengths that end in a
+partial page or block (the exponentials' scalar path) as well as exact multiples of it (the
+vector path), with GQA (two query heads per KV head)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+H_KV, H_QO, PAGE, SCALE = 2, 4, 16, 0.2
+
+
+def _t(a):
+    import tvm
+
+    return tvm.runtime.tensor(np.ascontiguousarray(a), tvm.cpu())
+
+
+def _attend(q, k, v):
+    """q (H_QO, D) of the sequence's last position over keys k, v (n, H_KV, D)."""
+    g = H_QO // H_KV
+    out = np.empty_like(q)
+    for h in range(H_QO):
+        s = k[:, h // g] @ q[h] * SCALE
+        p = np.exp(s - s.max())
+        out[h] = p @ v[:, h // g] / p.sum()
+    return out
+
+
+@pytest.fixture(scope="module", params=[64, 24])
+def kernels(request):
+    import tvm
+
+    from schedules.cpu.attention import decode_attention_func, prefill_ragged_attention_func
+    from tvm_llm.targets.llvm import LLVMTarget
+
+    d = request.param
+    target = LLVMTarget().tvm_target()
+    funcs = {"decode": decode_attention_func(H_KV, H_QO, d, "float32", PAGE),
+             "ragged": prefill_ragged_attention_func(H_KV, H_QO, d, "float32")}
+    return d, {k: tvm.compile(tvm.IRModule({"main": f}), target=target)["main"]
+               for k, f in funcs.items()}
+
+
+@pytest.mark.parametrize("lengths", [(37, 16), (1, 48)])
+def test_decode_matches_numpy(kernels, lengths):
+    d, funcs = kernels
+    rng = np.random.default_rng(len(lengths) + lengths[0])
+    n_pages = sum(-(-n // PAGE) for n in lengths) + 2
+    pages = rng.standard_normal((n_pages, 2, H_KV, PAGE, d)).astype("float32")
+    free = list(rng.permutation(n_pages))
+    indptr, values, last, want = [0], [], [], []
+    q = rng.standard_normal((len(lengths), H_QO, d)).astype("float32")
+    for b, n in enumerate(lengths):
+        k, v = (rng.standard_normal((n, H_KV, d)).astype("float32") for _ in range(2))
+        ids = [int(free.pop()) for _ in range(-(-n // PAGE))]
+        for t in range(n):
+            pages[ids[t // PAGE], 0, :, t % PAGE] = k[t]
+            pages[ids[t // PAGE], 1, :, t % PAGE] = v[t]
+        values += ids
+        indptr.append(len(values))
+        last.append((n - 1) % PAGE + 1)
+        want.append(_attend(q[b], k, v))
+    B = len(lengths)
+    out, lse = np.zeros((B, H_QO, d), "float32"), np.zeros((B, H_QO), "float32")
+    out_t, lse_t = _t(out), _t(lse)
+    funcs["decode"](_t(q), _t(pages), _t(np.array(indptr, "int32")),
+                    _t(np.array(values, "int32")), _t(np.array(last, "int32")),
+                    _t(np.zeros(B, "int32")), _t(np.array(lengths, "int32") - 1), out_t, lse_t,
+                    0, 1.0, 1e4, SCALE)
+    np.testing.assert_allclose(out_t.numpy(), np.stack(want), rtol=1e-4, atol=1e-5)
+
+
+def test_ragged_prefill_matches_numpy(kernels):
+    """Two sequences in one ragged batch, 21 and 32 tokens: every row's causal prefix, blocks
+    of 16 keys full and partial."""
+    d, funcs = kernels
+    rng = np.random.default_rng(7)
+    lengths = (21, 32)
+    n = sum(lengths)
+    q = rng.standard_normal((n, H_QO, d)).astype("float32")
+    k, v = (rng.standard_normal((n, H_KV, d)).astype("float32") for _ in range(2))
+    ind = np.array([0, lengths[0], n], "int32")
+    pos = np.concatenate([np.arange(m) for m in lengths]).astype("int32")
+    out_t, lse_t = _t(np.zeros((n, H_QO, d), "float32")), _t(np.zeros((n, H_QO), "float32"))
+    funcs["ragged"](_t(q), _t(ind), _t(k), _t(v), _t(ind), _t(pos), _t(np.zeros(2, "int32")),
+                    out_t, lse_t, 1, 0, 1.0, 1e4, SCALE)
+    want = np.stack([_attend(q[r], k[ind[b]:r + 1], v[ind[b]:r + 1])
+                     for b in range(2) for r in range(ind[b], ind[b + 1])])
+    np.testing.assert_allclose(out_t.numpy(), want, rtol=1e-4, atol=1e-5)

@@ -34,6 +34,10 @@ from tvm.script import tirx as T
 from .fast_math import fast_exp_expr
 
 PAGE_SIZES = (8, 16, 32, 64, 128)  # page sizes the kernels are built for (tokens per page)
+# decode with fewer (sequence, KV head) items than this splits each sequence's keys into
+# SPLIT_ITEMS // items chunks attended in parallel (so that every thread of a 16-core machine
+# has work at batch 1 with few KV heads), merged by their maxima
+SPLIT_ITEMS = 16
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -289,6 +293,7 @@ def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, d
     start, block, finish = _online_softmax_macros(G, D, L, dtype, table, H_qo, vector)
     over_pages = _over_pages_macro(block, PAGE, H_kv, D)
     symbol = "batch_decode_paged_kv_cpu" + ("_sliding_window" if sliding else "")
+    split = vector  # CPU builds split the context when items are few (GPU: one item a thread)
 
     @T.prim_func(check_well_formed=False)
     def decode_attention(Q_handle: T.handle, pages_handle: T.handle,
@@ -323,28 +328,88 @@ def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, d
                                      elem_offset=length_info_elem_offset)
         flat = T.decl_buffer((max_num_pages * 2 * H_kv * PAGE * D,), dtype, data=pages.data)
 
-        for bh in T.parallel(B * H_kv):
-            q = T.alloc_buffer((G, D), "float32", scope="local")
-            o = T.alloc_buffer((G, D), "float32", scope="local")
-            m = T.alloc_buffer((G,), "float32", scope="local")
-            den = T.alloc_buffer((G,), "float32", scope="local")
-            s = T.alloc_buffer((PAGE,), "float32", scope="local")
-            part = T.alloc_buffer((L,), "float32", scope="local")
-            mx = T.alloc_buffer((1,), "float32", scope="local")
-            b = bh // H_kv
-            hk = bh % H_kv
-            start(q, o, m, den, Q, b, hk * G, sm_scale)
-            begin = page_table_indptr[b]
-            npages = page_table_indptr[b + 1] - begin
-            last = _last_page_len(length_info, b, sliding)
-            offset = _window_offset(length_info, b, npages, sliding)
-            n_keys = T.Select(npages > 0, (npages - 1) * PAGE + last - offset, 0)
-            t_lo = _window_start(_window(table, sm_scale), q_rope_position[b], k_rope_pos_offset[b])
-            over_pages(q, o, m, den, s, part, mx, flat, page_table_values, begin, npages, last,
-                       offset, t_lo, n_keys, hk, sm_scale)
-            finish(o, m, den, mx, output, lse, b, hk * G,
-                   _owns_sink(table, sliding, n_keys, k_rope_pos_offset[b], q_rope_position[b]),
-                   sm_scale)
+        if not split or B * H_kv >= SPLIT_ITEMS:  # enough (sequence, KV head) items
+            for bh in T.parallel(B * H_kv):
+                q = T.alloc_buffer((G, D), "float32", scope="local")
+                o = T.alloc_buffer((G, D), "float32", scope="local")
+                m = T.alloc_buffer((G,), "float32", scope="local")
+                den = T.alloc_buffer((G,), "float32", scope="local")
+                s = T.alloc_buffer((PAGE,), "float32", scope="local")
+                part = T.alloc_buffer((L,), "float32", scope="local")
+                mx = T.alloc_buffer((1,), "float32", scope="local")
+                b = bh // H_kv
+                hk = bh % H_kv
+                start(q, o, m, den, Q, b, hk * G, sm_scale)
+                begin = page_table_indptr[b]
+                npages = page_table_indptr[b + 1] - begin
+                last = _last_page_len(length_info, b, sliding)
+                offset = _window_offset(length_info, b, npages, sliding)
+                n_keys = T.Select(npages > 0, (npages - 1) * PAGE + last - offset, 0)
+                t_lo = _window_start(_window(table, sm_scale), q_rope_position[b],
+                                     k_rope_pos_offset[b])
+                over_pages(q, o, m, den, s, part, mx, flat, page_table_values, begin, npages,
+                           last, offset, t_lo, n_keys, hk, sm_scale)
+                finish(o, m, den, mx, output, lse, b, hk * G,
+                       _owns_sink(table, sliding, n_keys, k_rope_pos_offset[b],
+                                  q_rope_position[b]), sm_scale)
+        else:
+            # few items (batch 1, few KV heads): each sequence's keys split into
+            # SPLIT_ITEMS // items page-aligned chunks attended in parallel, then merged
+            state = T.alloc_buffer((B * H_kv * (SPLIT_ITEMS // (B * H_kv)), G, D + 2), "float32")
+            for item in T.parallel(B * H_kv * (SPLIT_ITEMS // (B * H_kv))):
+                q = T.alloc_buffer((G, D), "float32", scope="local")
+                o = T.alloc_buffer((G, D), "float32", scope="local")
+                m = T.alloc_buffer((G,), "float32", scope="local")
+                den = T.alloc_buffer((G,), "float32", scope="local")
+                s = T.alloc_buffer((PAGE,), "float32", scope="local")
+                part = T.alloc_buffer((L,), "float32", scope="local")
+                mx = T.alloc_buffer((1,), "float32", scope="local")
+                bh = item // (SPLIT_ITEMS // (B * H_kv))
+                c = item % (SPLIT_ITEMS // (B * H_kv))
+                b = bh // H_kv
+                hk = bh % H_kv
+                start(q, o, m, den, Q, b, hk * G, sm_scale)
+                begin = page_table_indptr[b]
+                npages = page_table_indptr[b + 1] - begin
+                last = _last_page_len(length_info, b, sliding)
+                offset = _window_offset(length_info, b, npages, sliding)
+                n_keys = T.Select(npages > 0, (npages - 1) * PAGE + last - offset, 0)
+                chunk = T.ceildiv(n_keys, (SPLIT_ITEMS // (B * H_kv)) * PAGE) * PAGE
+                t_lo = T.max(_window_start(_window(table, sm_scale), q_rope_position[b],
+                                           k_rope_pos_offset[b]), c * chunk)
+                over_pages(q, o, m, den, s, part, mx, flat, page_table_values, begin, npages,
+                           last, offset, t_lo, T.min(n_keys, c * chunk + chunk), hk, sm_scale)
+                for g in range(G):
+                    for d in T.vectorized(D):
+                        state[item, g, d] = o[g, d]
+                    state[item, g, D] = m[g]
+                    state[item, g, D + 1] = den[g]
+            for bh in T.parallel(B * H_kv):
+                o = T.alloc_buffer((G, D), "float32", scope="local")
+                m = T.alloc_buffer((G,), "float32", scope="local")
+                den = T.alloc_buffer((G,), "float32", scope="local")
+                mx = T.alloc_buffer((1,), "float32", scope="local")
+                b = bh // H_kv
+                hk = bh % H_kv
+                for g in range(G):
+                    m[g] = T.float32(-5e4)
+                    for c in range(SPLIT_ITEMS // (B * H_kv)):
+                        m[g] = T.max(m[g], state[bh * (SPLIT_ITEMS // (B * H_kv)) + c, g, D])
+                    den[g] = T.float32(0)
+                    for d in T.vectorized(D):
+                        o[g, d] = T.float32(0)
+                    for c in range(SPLIT_ITEMS // (B * H_kv)):
+                        w = _exp2(state[bh * (SPLIT_ITEMS // (B * H_kv)) + c, g, D] - m[g])
+                        den[g] = den[g] + w * state[bh * (SPLIT_ITEMS // (B * H_kv)) + c, g, D + 1]
+                        for d in T.vectorized(D):
+                            o[g, d] = o[g, d] + w * state[bh * (SPLIT_ITEMS // (B * H_kv)) + c, g, d]
+                npages = page_table_indptr[b + 1] - page_table_indptr[b]
+                n_keys = T.Select(npages > 0, (npages - 1) * PAGE
+                                  + _last_page_len(length_info, b, sliding)
+                                  - _window_offset(length_info, b, npages, sliding), 0)
+                finish(o, m, den, mx, output, lse, b, hk * G,
+                       _owns_sink(table, sliding, n_keys, k_rope_pos_offset[b],
+                                  q_rope_position[b]), sm_scale)
 
     return decode_attention
 

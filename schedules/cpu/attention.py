@@ -9,8 +9,13 @@ calls it unchanged) and:
 * runs (sequence, KV head) pairs in parallel; the query heads sharing a KV head (GQA) are
   handled together, so each K/V page is read from memory once per group;
 * works a page at a time (the build's page size, 8 to 128 tokens): one dot product per token
-  vectorized over the head dim, one online-softmax rescale per page instead of per token,
-  then the weighted V rows;
+  as a single vector expression (16-lane products over the head dim, the lanes folded in
+  halves), one online-softmax rescale per page instead of per token, a full page's
+  exponentials as one vector of arithmetic (no libm call per key), then the weighted V rows
+  with each output slice kept in a register;
+* in decode with fewer than SPLIT_ITEMS (sequence, KV head) items (batch 1, few KV heads),
+  splits each sequence's keys into page-aligned chunks attended in parallel and merged by
+  their maxima, so that every thread has work;
 * requires the rotary embedding to be applied before the cache (our import uses
   RopeMode.NONE, see tvm_llm/frontend/relax_import.py); rotary_mode is ignored.
 

@@ -97,12 +97,14 @@ def gemm_tile(target: Target, N: int, K: int, dtype: str = "float32"):
 class GEMM(ScheduleRule):
     """Weight matmul (prefill GEMM and decode GEMV) over a packed weight panel."""
 
-    def __init__(self, prepack: str | bool = "auto", tile=None):
+    def __init__(self, prepack: str | bool = "auto", tile=None, bf16_dot: bool = True):
         """prepack: "auto" packs NT weights the build marked layout-free; True packs every NT
         weight; False never packs (NT matmuls are then left to the GEMV rule).
-        tile: optional (Mr, Nv) override, for experiments."""
+        tile: optional (Mr, Nv) override, for experiments.
+        bf16_dot: False keeps bfloat16 on widen-and-FMA even where vdpbf16ps exists (A/B runs)."""
         self.prepack = prepack
         self.tile = tile
+        self.bf16_dot = bf16_dot
 
     def is_target_available(self, target: Target) -> bool:
         return common.is_llvm_cpu(target)
@@ -125,7 +127,7 @@ class GEMM(ScheduleRule):
             if not pack:
                 return None
         try:
-            return schedule_outer_product(sch, pat, target, pack, self.tile)
+            return schedule_outer_product(sch, pat, target, pack, self.tile, self.bf16_dot)
         except Exception:  # pylint: disable=broad-except
             return None
 
@@ -139,12 +141,12 @@ def _m_flat_index(pat: common.MatmulPattern, idx):
 
 
 def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, target: Target,
-                           pack: bool, tile=None) -> s_tir.Schedule:
+                           pack: bool, tile=None, allow_bf16_dot: bool = True) -> s_tir.Schedule:
     lanes = common.vector_lanes(target, pat.dtype)
     mr, nv = tile or gemm_tile(target, pat.N, pat.K, pat.dtype)
     pn = nv * lanes
     main = sch.get_sblock(pat.block_name)
-    dot = uses_bf16_dot(target, pat, pack) and pat.N % pn == 0
+    dot = allow_bf16_dot and uses_bf16_dot(target, pat, pack) and pat.N % pn == 0
 
     # 1. The weight: packed panels Bp[N/PN, K, PN] written by a layout-rewrite block; for
     #    vdpbf16ps Bp[N/PN, K/2, PN, 2] (the two k of a column side by side, one 32-bit lane).

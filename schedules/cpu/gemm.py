@@ -129,6 +129,14 @@ class GEMM(ScheduleRule):
         try:
             return schedule_outer_product(sch, pat, target, pack, self.tile, self.bf16_dot)
         except Exception:  # pylint: disable=broad-except
+            if not (self.bf16_dot and uses_bf16_dot(target, pat, pack)):
+                return None
+        # vdpbf16ps could not be tensorized here (an operand that is not a plain buffer
+        # region): the same kernel on widen-and-FMA
+        sch, pat = common.prepare_matmul(func)
+        try:
+            return schedule_outer_product(sch, pat, target, pack, self.tile, False)
+        except Exception:  # pylint: disable=broad-except
             return None
 
 

@@ -211,13 +211,14 @@ class LLVMTarget(TargetSpec):
         transform_params that the build runs once (schedules/cpu/prepack.py)."""
         from schedules.cpu import cpu_schedule_pass
         from schedules.cpu.fast_math import register_fast_exp
-        from schedules.cpu.prepack import (DedupPrimFuncs, LiftPackedWeights,
-                                           MarkWeightsLayoutFree,
+        from schedules.cpu.prepack import (DedupPrimFuncs, DropSplitOriginals,
+                                           LiftPackedWeights, MarkWeightsLayoutFree,
                                            SplitLayoutRewritePreprocAnyBody)
 
         register_fast_exp()  # vector exp for SiLU and softmax instead of one expf per lane
         return [MarkWeightsLayoutFree(), cpu_schedule_pass(self),
-                SplitLayoutRewritePreprocAnyBody(), DedupPrimFuncs(), LiftPackedWeights()]
+                SplitLayoutRewritePreprocAnyBody(), DedupPrimFuncs(), LiftPackedWeights(),
+                DropSplitOriginals()]
 
     def export_library(self, executable, path: str, workspace_dir: str | None = None) -> None:
         if self.isa_arch != os.uname().machine:

@@ -13,14 +13,20 @@ k of each output column adjacent. The GEMM rule packs bfloat16 weights for it as
 so nothing is rounded that the model does not round itself.
 
 Why an imported LLVM function and not ``call_llvm_pure_intrin``: LLVM 22 (the one linked into
-TVM 0.27) declares the intrinsic on ``<32 x bfloat>`` operands (LLVM <= 16 took ``<16 x i32>``,
-17 ``<32 x i16>``), and TVM's BF16ComputeLegalize/BF16StorageLegalize passes rewrite every
+TVM 0.27) declares the intrinsic on ``<32 x bfloat>`` operands (older LLVMs on ``<16 x i32>``,
+then ``<32 x i16>``: verified here only for 22), and TVM's BF16ComputeLegalize/BF16StorageLegalize passes rewrite every
 bfloat16 value of a TIR function into float32/uint16 before codegen, so a ``<32 x bfloat>``
 operand cannot be written in TIR (both tries fail LLVM's verifier; skipping the legalization
 crashed the codegen). The kernel therefore carries each bf16 pair as one 32-bit lane and calls
 a three-line LLVM function, linked into the module through TVM's ``pragma_import_llvm``, that
 bitcasts ``<16 x i32>`` to ``<32 x bfloat>`` and calls the intrinsic; it is ``alwaysinline``,
 so the generated code holds the bare ``vdpbf16ps``.
+
+Limits: the operands must keep bfloat16 storage, i.e. be kernel parameters (a bfloat16 buffer
+allocated inside a kernel is given float32 storage by BF16ComputeLegalize, and the bitcast then
+fails LLVM's verifier: hence :class:`.prepack.DropSplitOriginals`). The instruction adds the odd
+product of each pair first, then the even one, each addition rounded to float32, and flushes
+denormals: the test's numpy model does the same.
 """
 from __future__ import annotations
 

@@ -6,6 +6,24 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def _cpu_lines(target: dict) -> list:
+    feats = target.get("cpu_features")
+    if not feats:
+        return []
+    amx = feats.get("amx") or {}
+    if amx.get("usable"):
+        amx_text = "usable (unused: no AMX kernel yet)"
+    elif amx.get("llvm_feature") and "cpu_flag" not in amx:
+        amx_text = "in the target CPU, not probed (not this machine's CPU)"
+    else:
+        why = [k for k, v in (("no LLVM feature amx-bf16", amx.get("llvm_feature")),
+                              ("no CPU flag amx_bf16", amx.get("cpu_flag", True))) if not v]
+        if amx.get("os_permission") not in (None, "granted"):
+            why.append(f"OS permission {amx['os_permission']}")
+        amx_text = "no (" + ", ".join(why or ["unknown"]) + ")"
+    return [f"cpu        bf16 matmul {feats.get('bf16_matmul')}; AMX {amx_text}"]
+
+
 def format_manifest(m: dict) -> str:
     model, kv, target = m["model"], m["kv_cache"], m["target"]
     weight_bytes = sum(p["nbytes"] for p in m["params"])
@@ -15,6 +33,7 @@ def format_manifest(m: dict) -> str:
         f"x {model['head_dim']}, vocab {model['vocab_size']}",
         f"target     {target['name']} {target.get('arch') or ''} [{target['hw_key']}] "
         f"{target['tvm_target']}",
+        *_cpu_lines(target),
         f"dtype      {m['dtype']}; weights {len(m['params'])} tensors, {_mib(weight_bytes)}",
         f"kv cache   page {kv['page_size']} tokens, {kv['max_total_seq_len']} tokens total, "
         f"batch <= {kv['max_batch_size']}, prefill chunk {kv['prefill_chunk_size']}, "

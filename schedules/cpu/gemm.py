@@ -53,7 +53,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
-from . import common, microarch
+from . import bf16_dot, common, microarch
 
 LAYOUT_REWRITE_ATTR = "meta_schedule.layout_rewrite_preproc"
 
@@ -61,6 +61,19 @@ LAYOUT_REWRITE_ATTR = "meta_schedule.layout_rewrite_preproc"
 def packed_panel_width(target: Target, N: int, K: int, dtype: str = "float32") -> int:
     """PN, the number of output columns per packed panel (a multiple of the vector width)."""
     return gemm_tile(target, N, K, dtype)[1] * common.vector_lanes(target, dtype)
+
+
+def uses_bf16_dot(target: Target, pat: common.MatmulPattern, pack: bool) -> bool:
+    """Whether the kernel runs on ``vdpbf16ps`` (:mod:`.bf16_dot`): a bfloat16 weight packed at
+    build time (the pair-interleaved panel is made there), bfloat16 activations, an even K and
+    a target CPU with AVX512-BF16; the caller also requires N to be a multiple of the panel
+    width (a partial panel puts a column predicate inside the 16-lane block, which cannot be
+    tensorized; every LLM shape we build has N % 16 == 0, GPT-2's 50257-row vocabulary does
+    not). Elsewhere (AVX2, AVX-512 without BF16, aarch64, row-major weights) bfloat16 is widened
+    to float32 in registers and summed with float32 FMAs."""
+    return (pack and pat.input_dtype == "bfloat16" and pat.dtype == "float32" and pat.K % 2 == 0
+            and common.vector_isa(target) == "avx512" and common.vector_lanes(target) == 16
+            and common._has(bf16_dot.FEATURE, target))  # pylint: disable=protected-access
 
 
 def gemm_tile(target: Target, N: int, K: int, dtype: str = "float32"):
@@ -84,12 +97,14 @@ def gemm_tile(target: Target, N: int, K: int, dtype: str = "float32"):
 class GEMM(ScheduleRule):
     """Weight matmul (prefill GEMM and decode GEMV) over a packed weight panel."""
 
-    def __init__(self, prepack: str | bool = "auto", tile=None):
+    def __init__(self, prepack: str | bool = "auto", tile=None, bf16_dot: bool = True):
         """prepack: "auto" packs NT weights the build marked layout-free; True packs every NT
         weight; False never packs (NT matmuls are then left to the GEMV rule).
-        tile: optional (Mr, Nv) override, for experiments."""
+        tile: optional (Mr, Nv) override, for experiments.
+        bf16_dot: False keeps bfloat16 on widen-and-FMA even where vdpbf16ps exists (A/B runs)."""
         self.prepack = prepack
         self.tile = tile
+        self.bf16_dot = bf16_dot
 
     def is_target_available(self, target: Target) -> bool:
         return common.is_llvm_cpu(target)
@@ -112,7 +127,15 @@ class GEMM(ScheduleRule):
             if not pack:
                 return None
         try:
-            return schedule_outer_product(sch, pat, target, pack, self.tile)
+            return schedule_outer_product(sch, pat, target, pack, self.tile, self.bf16_dot)
+        except Exception:  # pylint: disable=broad-except
+            if not (self.bf16_dot and uses_bf16_dot(target, pat, pack)):
+                return None
+        # vdpbf16ps could not be tensorized here (an operand that is not a plain buffer
+        # region): the same kernel on widen-and-FMA
+        sch, pat = common.prepare_matmul(func)
+        try:
+            return schedule_outer_product(sch, pat, target, pack, self.tile, False)
         except Exception:  # pylint: disable=broad-except
             return None
 
@@ -126,18 +149,22 @@ def _m_flat_index(pat: common.MatmulPattern, idx):
 
 
 def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, target: Target,
-                           pack: bool, tile=None) -> s_tir.Schedule:
+                           pack: bool, tile=None, allow_bf16_dot: bool = True) -> s_tir.Schedule:
     lanes = common.vector_lanes(target, pat.dtype)
     mr, nv = tile or gemm_tile(target, pat.N, pat.K, pat.dtype)
     pn = nv * lanes
     main = sch.get_sblock(pat.block_name)
+    dot = allow_bf16_dot and uses_bf16_dot(target, pat, pack) and pat.N % pn == 0
 
-    # 1. The weight: packed panels Bp[N/PN, K, PN] written by a layout-rewrite block.
+    # 1. The weight: packed panels Bp[N/PN, K, PN] written by a layout-rewrite block; for
+    #    vdpbf16ps Bp[N/PN, K/2, PN, 2] (the two k of a column side by side, one 32-bit lane).
     if pack:
         rw = sch.cache_read(main, pat.b_index, "global")
         sch.annotate(rw, LAYOUT_REWRITE_ATTR, True)
         pad = None if pat.N % pn == 0 else 0.0
-        if pat.b_transposed:
+        if dot:
+            imap = lambda n, k: (n // pn, k // 2, n % pn, k % 2)  # noqa: E731
+        elif pat.b_transposed:
             imap = lambda n, k: (n // pn, k, n % pn)  # noqa: E731
         else:
             imap = lambda k, n: (n // pn, k, n % pn)  # noqa: E731
@@ -164,13 +191,18 @@ def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, targe
     m = sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0]
     no, nvl, nl = sch.split(n_loop, [None, nv, lanes])
     mo, mri = sch.split(m, [None, mr])
-    sch.reorder(no, mo, k_loop, mri, nvl, nl)
+    if dot:
+        k_loop, kp = sch.split(k_loop, [None, 2])
+        sch.reorder(no, mo, k_loop, mri, nvl, nl, kp)
+    else:
+        sch.reorder(no, mo, k_loop, mri, nvl, nl)
     sch.reverse_compute_at(epi, mo)
     m_static = pat.m_static
     if m_static is None or m_static % mr != 0:
         sch.annotate(mo, "pragma_loop_partition_hint", 1)
     sch.parallel(no)
-    sch.vectorize(nl)
+    if not dot:
+        sch.vectorize(nl)
     sch.unroll(nvl)
     sch.unroll(mri)
 
@@ -187,4 +219,12 @@ def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, targe
         return (_m_flat_index(pat, idx[:-1]) % mr, idx[-1] % pn)
 
     sch.transform_layout(main, ("write", 0), tile_map, assume_injective_transform=True)
+
+    # 5. vdpbf16ps: the (16 columns x 2 k) inner block becomes one instruction. Blockized once
+    #    first: that block takes the row predicate of a partial tile (symbolic M), which
+    #    tensorize's comparator would otherwise hold against the intrinsic (unpredicated).
+    if dot:
+        inner = sch.get_loops(main)[-2]
+        sch.blockize(inner)
+        sch.tensorize(inner, bf16_dot.intrin_name(str(sch.get(inner).extent.ty.dtype)))
     return sch

@@ -159,3 +159,32 @@ class DedupPrimFuncs:
                 f = _Redirect().visit_expr(f)
             new_funcs[gv] = f
         return tvm.IRModule(new_funcs, attrs=mod.attrs)
+
+
+@tvm.transform.module_pass(opt_level=0, name="DropSplitOriginals")
+class DropSplitOriginals:
+    """Remove each kernel that SplitLayoutRewritePreproc split (``<k>`` beside
+    ``<k>_prepacked``) once no Relax function refers to it any more. TVM's pass leaves the
+    original in the module, so codegen compiled a dead copy of every packed matmul, packing
+    loop included; with bfloat16 weights on vdpbf16ps that copy does not even compile (its
+    packed panel is a bfloat16 buffer allocated inside the kernel, which TVM's
+    BF16ComputeLegalize turns into float32 storage under the instruction's bf16 operands)."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        names = {gv.name_hint for gv in mod.get_global_vars()}
+        used = set()
+
+        def visit(expr):
+            if isinstance(expr, tvm.ir.GlobalVar):
+                used.add(expr.name_hint)
+
+        for _, f in mod.functions_items():
+            if isinstance(f, relax.Function):
+                relax.analysis.post_order_visit(f.body, visit)
+        dead = [gv for gv, f in mod.functions_items()
+                if isinstance(f, tirx.PrimFunc) and f"{gv.name_hint}_prepacked" in names
+                and gv.name_hint not in used]
+        if not dead:
+            return mod
+        return tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv not in dead},
+                            attrs=mod.attrs)

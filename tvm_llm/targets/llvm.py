@@ -62,6 +62,54 @@ def _has_feature(feature: str, target) -> bool:
         return False
 
 
+ARCH_REQ_XCOMP_PERM = 0x1023  # arch_prctl code (Linux >= 5.16, asm/prctl.h)
+XFEATURE_XTILEDATA = 18  # the AMX tile data state component
+SYS_ARCH_PRCTL_X86_64 = 158
+
+
+def host_cpu_flags() -> set:
+    """The kernel's feature flags of this CPU (/proc/cpuinfo), empty where unreadable."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def request_amx_permission() -> tuple[bool, str]:
+    """Ask Linux for AMX tile state in this process (arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)): a process must do this before its first AMX instruction, and the
+    kernel refuses it on CPUs without AMX, on kernels older than 5.16, or when the tile state
+    does not fit the signal stack. Returns (granted, why)."""
+    import ctypes
+    import errno
+
+    if os.uname().machine != "x86_64" or not os.uname().sysname == "Linux":
+        return False, "not x86_64 Linux"
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.syscall(SYS_ARCH_PRCTL_X86_64, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+    if rc == 0:
+        return True, "granted"
+    err = ctypes.get_errno()
+    return False, f"refused ({errno.errorcode.get(err, err)})"
+
+
+def amx_status(target) -> dict:
+    """AMX-BF16 availability for a build: the target CPU's LLVM feature, and for the host the
+    kernel's CPU flag and the permission request. No kernel uses AMX yet (no machine here
+    has it to test one on); this is what a future AMX prefill GEMM would check first."""
+    status = {"llvm_feature": _has_feature("amx-bf16", target)}
+    if str(target.attrs.get("mcpu", "")) == host_cpu_name():
+        status["cpu_flag"] = "amx_bf16" in host_cpu_flags()
+        status["os_permission"] = request_amx_permission()[1]
+    status["usable"] = bool(status["llvm_feature"] and status.get("cpu_flag")
+                            and status.get("os_permission") == "granted")
+    return status
+
+
 def llvm_hw_key(target) -> str:
     """The tuning-log key of an llvm tvm Target: cpu-<arch>-<LLVM CPU name>-<widest SIMD>, e.g.
     cpu-x86_64-znver4-avx512, cpu-x86_64-sapphirerapids-avx512, cpu-aarch64-generic-neon.
@@ -130,6 +178,22 @@ class LLVMTarget(TargetSpec):
     def hw_key(self) -> str:
         return llvm_hw_key(self.tvm_target())
 
+    def bf16_matmul_kernel(self) -> str:
+        """How bfloat16 weight matmuls are computed for this CPU: "vdpbf16ps" where the target
+        has AVX512-BF16 (znver4, cooperlake, sapphirerapids...; schedules/cpu/bf16_dot.py),
+        else "widen+fma" (bf16 widened to fp32 in registers, float32 FMAs)."""
+        t = self.tvm_target()
+        if "aarch64" not in str(t.attrs.get("mtriple", "")) and _has_feature("avx512bf16", t):
+            return "vdpbf16ps"
+        return "widen+fma"
+
+    def describe(self) -> dict:
+        d = super().describe()
+        t = self.tvm_target()
+        if "aarch64" not in str(t.attrs.get("mtriple", "")):
+            d["cpu_features"] = {"bf16_matmul": self.bf16_matmul_kernel(), "amx": amx_status(t)}
+        return d
+
     def graph_passes(self) -> list:
         """bfloat16/float16 matmuls accumulate in float32 (the GEMM/GEMV rules then read the
         half-precision weight, half of float32's bytes, and widen it in registers); a residual
@@ -147,13 +211,14 @@ class LLVMTarget(TargetSpec):
         transform_params that the build runs once (schedules/cpu/prepack.py)."""
         from schedules.cpu import cpu_schedule_pass
         from schedules.cpu.fast_math import register_fast_exp
-        from schedules.cpu.prepack import (DedupPrimFuncs, LiftPackedWeights,
-                                           MarkWeightsLayoutFree,
+        from schedules.cpu.prepack import (DedupPrimFuncs, DropSplitOriginals,
+                                           LiftPackedWeights, MarkWeightsLayoutFree,
                                            SplitLayoutRewritePreprocAnyBody)
 
         register_fast_exp()  # vector exp for SiLU and softmax instead of one expf per lane
         return [MarkWeightsLayoutFree(), cpu_schedule_pass(self),
-                SplitLayoutRewritePreprocAnyBody(), DedupPrimFuncs(), LiftPackedWeights()]
+                SplitLayoutRewritePreprocAnyBody(), DedupPrimFuncs(), LiftPackedWeights(),
+                DropSplitOriginals()]
 
     def export_library(self, executable, path: str, workspace_dir: str | None = None) -> None:
         if self.isa_arch != os.uname().machine:

@@ -313,11 +313,13 @@ def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
     variants: dict = {}
     cache_var = rx.Var("paged_kv_cache", rx.ObjectType())
     sources = _weight_sources(ep)
-    # no run_decompositions(): it re-traces the whole program (llama-110m: 7.6 of the 18 CPU
-    # seconds of trace + import) only to spell linear as view/permute/mm, which the importer's
-    # own converters and UnflattenLinear bring back to the same Relax (same kernels, same weights)
+    # a float32 model is imported without run_decompositions(): it re-traces the whole program
+    # (llama-110m: 7.6 of the 18 CPU seconds of trace + import) only to spell linear as
+    # view/permute/mm, which the importer's own converters and UnflattenLinear bring back to
+    # the same Relax (same kernels, same weights). Half-precision models keep it: their
+    # converters (_half_precision_converters) rewrite the decomposed mm/addmm.
     mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,
-                                run_ep_decomposition=False,
+                                run_ep_decomposition=dtype != "float32",
                                 custom_convert_map={
                                     **_to_device_converter(),
                                     **_half_precision_converters(),

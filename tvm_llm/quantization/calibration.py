@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import UserError
+from .formats import host_threads
 
 DEFAULT_CALIBRATION = os.path.join(os.path.dirname(__file__), "calibration.txt")
 ALPHAS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # 0 = unscaled
@@ -188,14 +189,6 @@ def _candidates(st: InputStats, weights: list, activations: str) -> list:
             out.append((f"smooth {a}", _normalized(np.maximum(st.max_abs, 1e-8) ** a
                                                    / np.maximum(wmax, 1e-8) ** (1 - a))))
     return out
-
-
-def host_threads() -> int:
-    """CPU cores this process may run on (the build host's, for numpy work in threads)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # no sched_getaffinity (macOS)
-        return max(1, os.cpu_count() or 1)
 
 
 def search_scale(st: InputStats, weights: list, quantize, quantize_input=None,

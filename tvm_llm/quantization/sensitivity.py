@@ -271,8 +271,8 @@ def fisher_units(model, calib, candidates: list, importance: dict | None = None,
     round-to-nearest stand-in (calibration.fast_round_trip), ~50x cheaper on a whole model."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .calibration import fast_round_trip, host_threads
-    from .formats import FORMATS, fake_quantize
+    from .calibration import fast_round_trip
+    from .formats import FORMATS, fake_quantize, host_threads
     from .mix import Unit
 
     linears = plan_linears(model)

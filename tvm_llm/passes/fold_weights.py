@@ -82,26 +82,10 @@ def apply_weight_transform(transform_mod, weights: list) -> list:
 
     target = tvm.target.Target({"kind": "llvm"})
     with target:
-        ex = tvm.compile(_schedule_for_host(transform_mod, target), target=target)
+        ex = tvm.compile(transform_mod, target=target)
     vm = relax.VirtualMachine(ex, tvm.cpu())
     out = vm[TRANSFORM]([_as_tvm(w) for w in weights])
     return [_as_numpy(t) for t in out]
-
-
-def _schedule_for_host(transform_mod, target):
-    """The transform with its injective kernels (concatenations, layout packing, casts: all of
-    it but the packed quantizers) legalized and scheduled by our elementwise rule: parallel
-    outer loops, vectorized inner one. tvm.compile's CPU pipeline leaves them unscheduled,
-    serial scalar loops over every weight byte (llama-1b fp32: 18 s of a 79 s build). Copies
-    and casts give the same bytes in any loop order. TVM's fusing pipeline is not used: it
-    can drop the quantizers' packed calls (see tvm.relax.vm_build)."""
-    from tvm.s_tir import dlight as dl
-
-    from schedules.cpu.elementwise import Elementwise
-
-    with target:
-        mod = relax.transform.LegalizeOps()(transform_mod)
-        return dl.ApplyDefaultSchedule(Elementwise())(mod)
 
 
 def _as_tvm(array):

@@ -298,6 +298,19 @@ def _refuse_complex_ops(ep) -> None:
                         "import; not supported")
 
 
+def _needs_decompositions(ep, dtype: str | None) -> bool:
+    """Whether the importer must run torch's decompositions first. A dense float32 model is
+    imported without them: run_decompositions() re-traces the whole program (llama-110m: 7.6
+    of the 18 CPU seconds of trace + import) only to spell linear as view/permute/mm, which
+    the importer's own converters and the fusion passes bring back to the same kernels (same
+    weights). Half-precision models keep them (_half_precision_converters rewrite the
+    decomposed mm/addmm), and so do mixture-of-experts models (their routing imported
+    undecomposed failed the MoE tests: tests/test_moe.py, test_mla.py's MoE variant)."""
+    if dtype != "float32":
+        return True
+    return any(n.op == "call_function" and "moe_experts" in str(n.target) for n in ep.graph.nodes)
+
+
 def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
     """Convert the exported program into the forward Relax function (one symbolic batch/seq)."""
     import tvm
@@ -313,13 +326,8 @@ def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
     variants: dict = {}
     cache_var = rx.Var("paged_kv_cache", rx.ObjectType())
     sources = _weight_sources(ep)
-    # a float32 model is imported without run_decompositions(): it re-traces the whole program
-    # (llama-110m: 7.6 of the 18 CPU seconds of trace + import) only to spell linear as
-    # view/permute/mm, which the importer's own converters and UnflattenLinear bring back to
-    # the same Relax (same kernels, same weights). Half-precision models keep it: their
-    # converters (_half_precision_converters) rewrite the decomposed mm/addmm.
     mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,
-                                run_ep_decomposition=dtype != "float32",
+                                run_ep_decomposition=_needs_decompositions(ep, dtype),
                                 custom_convert_map={
                                     **_to_device_converter(),
                                     **_half_precision_converters(),

@@ -149,6 +149,25 @@ def test_build_warns_about_non_finite_weights(nan_build):
     assert m["nonfinite_weights"] == ["model.layers.1.self_attn.o_proj.weight"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_nonfinite_weights_finds_every_nan_and_inf(dtype):
+    """The min/max check finds one NaN, +Inf or -Inf anywhere in a tensor (first element, last,
+    inside a vectorized block), in every float dtype, and passes finite and empty tensors."""
+    from tvm_llm.frontend import nonfinite_weights
+
+    lin = torch.nn.Linear(67, 33).to(dtype)
+    model = torch.nn.Sequential(lin, torch.nn.Linear(0, 4).to(dtype))
+    assert nonfinite_weights(model) == []
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for index in (0, 17, lin.weight.numel() - 1):
+            with torch.no_grad():
+                saved = lin.weight.view(-1)[index].clone()
+                lin.weight.view(-1)[index] = bad
+                assert nonfinite_weights(model) == ["0.weight"], (bad, index)
+                lin.weight.view(-1)[index] = saved
+    assert nonfinite_weights(model) == []
+
+
 def test_verify_flags_non_finite_states(nan_build):
     root, _ = nan_build
     r = isolated.run("cli", ["verify", "out", "--prompt", "the quick brown fox"], str(root))

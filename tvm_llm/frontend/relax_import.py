@@ -136,6 +136,24 @@ def _attention_variant_converter(layers: dict, variants: dict, cache_var, source
     return {"paged_attention_variant.default": convert}
 
 
+def _to_device_converter() -> dict:
+    """aten.to.device(x, device, dtype, ...) (e.g. the rotary inv_freq moved to the input's
+    device) as a cast to `dtype`: the importer knows it only in its decomposed form (_to_copy),
+    and we import without decompositions (to_relax)."""
+    import torch
+    from tvm import relax as rx
+
+    def convert(node, importer):
+        x = importer.env[node.args[0]]
+        dtype = node.args[2] if len(node.args) > 2 else node.kwargs.get("dtype")
+        if not isinstance(dtype, torch.dtype):
+            return x
+        return importer.block_builder.emit(
+            rx.op.astype(x, importer._convert_data_type(dtype, importer.env)))
+
+    return {"to.device": convert}
+
+
 def _topk_converter() -> dict:
     """torch.topk with sorted=False (DeepSeek-V3's router) as a sorted top-k: an unsorted top-k
     may return its k values in any order, sorted included, and TVM's converter refuses the flag.
@@ -280,6 +298,19 @@ def _refuse_complex_ops(ep) -> None:
                         "import; not supported")
 
 
+def _needs_decompositions(ep, dtype: str | None) -> bool:
+    """Whether the importer must run torch's decompositions first. A dense float32 model is
+    imported without them: run_decompositions() re-traces the whole program (llama-110m: 7.6
+    of the 18 CPU seconds of trace + import) only to spell linear as view/permute/mm, which
+    the importer's own converters and the fusion passes bring back to the same kernels (same
+    weights). Half-precision models keep them (_half_precision_converters rewrite the
+    decomposed mm/addmm), and so do mixture-of-experts models (their routing imported
+    undecomposed failed the MoE tests: tests/test_moe.py, test_mla.py's MoE variant)."""
+    if dtype != "float32":
+        return True
+    return any(n.op == "call_function" and "moe_experts" in str(n.target) for n in ep.graph.nodes)
+
+
 def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
     """Convert the exported program into the forward Relax function (one symbolic batch/seq)."""
     import tvm
@@ -296,7 +327,9 @@ def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
     cache_var = rx.Var("paged_kv_cache", rx.ObjectType())
     sources = _weight_sources(ep)
     mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,
+                                run_ep_decomposition=_needs_decompositions(ep, dtype),
                                 custom_convert_map={
+                                    **_to_device_converter(),
                                     **_half_precision_converters(),
                                     **_topk_converter(),
                                     **_attention_converter(layers, cache_var, dtype),

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import UserError
+from .formats import host_threads
 
 DEFAULT_CALIBRATION = os.path.join(os.path.dirname(__file__), "calibration.txt")
 ALPHAS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # 0 = unscaled
@@ -194,12 +196,16 @@ def search_scale(st: InputStats, weights: list, quantize, quantize_input=None,
     """(label, s, error, error at s = 1) minimizing the output error of the linears `weights`
     (each (N, K) float32) on the sampled rows. `quantize(w) -> w'` is the build's weight
     round trip, `quantize_input(x) -> x'` the activation round trip (or None).
-    `tie(s) -> s'` projects a candidate onto scalings the producer can absorb."""
+    `tie(s) -> s'` projects a candidate onto scalings the producer can absorb.
+
+    The candidates are scored in threads (numpy releases the GIL in its element-wise loops,
+    which are single-threaded and most of the search's time); the choice is made afterwards
+    in the candidates' order, so it does not depend on the threads."""
     X = st.sample.astype(np.float32)
     ref = [X @ w.T for w in weights]
-    best = None
-    base = None
-    for label, s in _candidates(st, weights, activations):
+
+    def score(candidate):
+        label, s = candidate
         if tie is not None:
             s = tie(s)
         s = s.astype(np.float32)
@@ -208,8 +214,16 @@ def search_scale(st: InputStats, weights: list, quantize, quantize_input=None,
             xs = quantize_input(xs)
         err = 0.0
         for w, r in zip(weights, ref):
-            d = xs @ quantize(w * s).T - r
-            err += float(np.dot(d.ravel().astype(np.float64), d.ravel().astype(np.float64)))
+            d = (xs @ quantize(w * s).T - r).ravel().astype(np.float64)
+            err += float(np.dot(d, d))
+        return label, s, err
+
+    candidates = _candidates(st, weights, activations)
+    with ThreadPoolExecutor(min(len(candidates), host_threads())) as pool:
+        scored = list(pool.map(score, candidates))
+    best = None
+    base = None
+    for label, s, err in scored:
         if label == "awq 0.0":
             base = err
         if best is None or err < best[2]:

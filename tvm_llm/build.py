@@ -1,4 +1,4 @@
-"""The build, in order: import -> passes -> plan -> schedule -> codegen -> export.
+"""The build: the front half (front.py: load -> import -> passes), then plan -> codegen -> export.
 
 `build()` writes the output directory atomically: everything goes into a temporary sibling
 directory that is renamed at the end, so a failed build leaves nothing behind.
@@ -154,10 +154,7 @@ def build(model_dir: str, output_dir: str, config: BuildConfig | None = None, *,
     t_compile = lowered.pipeline_seconds + time.perf_counter() - t0
     clock.lap("codegen (tvm.compile)")
 
-    imported, hf_config, max_pos = lowered.imported, checkpoint.config, checkpoint.max_position_embeddings
-    page_size, max_batch_size = config.page_size, config.max_batch_size
-    prefill_chunk_size, nonfinite = config.prefill_chunk_size, lowered.nonfinite
-    t_import, report = lowered.import_seconds, lowered.phases
+    imported, hf_config = lowered.imported, checkpoint.config
     remove_stale_temp_dirs(os.path.dirname(output_dir), started)
     tmp = tempfile.mkdtemp(prefix=_tmp_prefix("build"), dir=os.path.dirname(output_dir))
     try:
@@ -183,22 +180,23 @@ def build(model_dir: str, output_dir: str, config: BuildConfig | None = None, *,
                       "architectures": list(getattr(hf_config, "architectures", None) or []),
                       "vocab_size": imported.vocab_size, "num_layers": attn.num_layers,
                       "num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads,
-                      "head_dim": attn.head_dim, "max_position_embeddings": max_pos,
+                      "head_dim": attn.head_dim,
+                      "max_position_embeddings": checkpoint.max_position_embeddings,
                       "source": os.path.abspath(model_dir)},
             "dtype": dtype,
             "quantization": quant_report,
             "target": spec.describe(),
-            "kv_cache": {"page_size": page_size, "max_batch_size": max_batch_size,
+            "kv_cache": {"page_size": config.page_size, "max_batch_size": config.max_batch_size,
                          "max_total_seq_len": kv_cache_tokens,
-                         "prefill_chunk_size": prefill_chunk_size,
+                         "prefill_chunk_size": config.prefill_chunk_size,
                          "context_window": context_window,
                          # every layer slides with this window: sequences drop older pages
                          "sliding_window": attn.sliding_window},
             "memory": memory.to_dict(),
             "tokenizer": _tokenizer_info(model_dir, hf_config),
-            "nonfinite_weights": nonfinite,
+            "nonfinite_weights": lowered.nonfinite,
             "params": table,
-            "report": {"phases": report, "import_seconds": round(t_import, 2),
+            "report": {"phases": lowered.phases, "import_seconds": round(lowered.import_seconds, 2),
                        "compile_seconds": round(t_compile, 2),
                        "build_seconds": clock.seconds, "build_cpu_seconds": clock.cpu_seconds,
                        **({"tuning": tuning} if tuning is not None else {})},

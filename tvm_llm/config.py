@@ -11,7 +11,7 @@ needs to know which of context window / KV tokens were asked for); what is deriv
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from .errors import UserError
 
@@ -45,7 +45,7 @@ class BuildConfig:
     bits_per_weight: float | None = None
     bits_count: str = "body"
     # resolved by create(), not given
-    spec: object = None  # targets.TargetSpec
+    spec: object = field(default=None, compare=False)  # targets.TargetSpec of target, arch
     scheme: object = None  # quantization.scheme.QuantScheme or None (float build)
     budget: object = None  # memory.kv_budget.Budget or None
 

@@ -4,7 +4,7 @@
     tvm_llm.build("path/to/hf_checkpoint", "out/", target="llvm")
     print(tvm_llm.Engine("out/").generate("def fib(n):", max_new_tokens=32))
 """
-__version__ = "0.1.0"
+from .version import __version__  # noqa: F401
 
 
 # bound eagerly: the submodule tvm_llm.build would otherwise shadow the function once imported

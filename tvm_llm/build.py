@@ -1,4 +1,4 @@
-"""The build, in order: import -> passes -> plan -> schedule -> codegen -> export.
+"""The build: the front half (front.py: load -> import -> passes), then plan -> codegen -> export.
 
 `build()` writes the output directory atomically: everything goes into a temporary sibling
 directory that is renamed at the end, so a failed build leaves nothing behind.
@@ -11,11 +11,10 @@ import shutil
 import tempfile
 import time
 
-from . import __version__
-from .errors import NonFiniteWarning, UserError
+from .config import BuildConfig
+from .errors import UserError
 from .runtime import artifact, chat_template
-
-DTYPES = ("float32", "float16", "bfloat16")
+from .version import __version__
 
 
 def _check_output(output_dir: str, force: bool) -> str:
@@ -98,163 +97,64 @@ def _tokenizer_info(model_dir: str, config) -> dict:
     return {"eos_token_ids": eos_ids, "bos_token_id": bos, "add_bos": add_bos}
 
 
-def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | None = None,
-          dtype: str | None = None, force: bool = False, emit_source: bool = False,
-          context_window: int | None = None, max_batch_size: int = 8,
-          prefill_chunk_size: int = 512, page_size: int = 16, kv_cache_tokens: int | None = None,
-          max_memory=None, dump_ir: str | None = None, disabled_phases=(), log=print,
-          tuning_log: str | None = None, quantization: str | None = None, group_size: int = 32,
-          activations: str | None = None, keep_float=None, quant_plan=None,
-          calibration: str | None = None, calibrate: str | None = None,
-          bits_per_weight: float | None = None, bits_count: str = "body") -> dict:
+def build(model_dir: str, output_dir: str, config: BuildConfig | None = None, *,
+          force: bool = False, emit_source: bool = False, dump_ir: str | None = None,
+          disabled_phases=(), log=print, **options) -> dict:
     """Compile the Hugging Face checkpoint in `model_dir` into `output_dir`; return the manifest.
-    `tuning_log`: a MetaSchedule log directory (tvm-llm tune) whose kernels replace our
-    default schedules; bad or foreign records are warned about and skipped.
-    `quantization` a weight format name (q8_0, q4_0, q4_1, q4_k) or q8 / q4 (our best),
-    `activations` "int8" / "float" (unset: int8 for q8 / q4 where the target has int8 dot
-    products), `keep_float`: layer indices / weight-name globs left float, `quant_plan`: a
-    quantization.plan.QuantPlan (per-weight formats, importance) replacing the plain one
-    (see tvm_llm/quantization/scheme.py). `calibration` (a text file; None = the bundled one),
-    `calibrate` ("awq,importance" / "none") and `bits_per_weight` (the automatic mix's budget,
-    counted over `bits_count` "all" or "body") calibrate the quantization on the float model
-    before export (tvm_llm/quantization/calibration.py); calibration runs when any is given."""
-    from .quantization import parse_scheme
-    from .frontend import import_model, load_model, nonfinite_weights, read_config, tokenizer_files
-    from .passes.pipeline import run_pipeline
-    from .report import BuildClock, format_build_time
-    from .targets import get_target
+    `config`: a BuildConfig (tvm_llm/config.py: target, dtype, KV cache, memory budget, tuning
+    log, quantization and calibration); `options`: its fields by name, overriding `config`'s
+    (`build(ck, out, target="cuda", quantization="q4")`). `force` replaces an existing
+    `output_dir`, `emit_source` also writes the generated code, `dump_ir` the IR after each
+    phase, `disabled_phases` leaves phases empty (the ablation benchmark)."""
+    from .front import lower, plan_memory, read_checkpoint
+    from .frontend import tokenizer_files
+    from .report import BuildClock, format_build_time, format_memory
 
     t_start = time.perf_counter()
     clock = BuildClock()  # per-step wall time for the report
     started = time.time()
-    spec = get_target(target, arch=arch)
-    dtype = dtype or spec.default_dtype
-    if dtype not in DTYPES:
-        raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    for name, value in (("max_batch_size", max_batch_size), ("prefill_chunk_size", prefill_chunk_size),
-                        ("page_size", page_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"{name} must be a positive integer, got {value!r}")
-    for name, value in (("context_window", context_window), ("kv_cache_tokens", kv_cache_tokens)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or not 1 <= value < 2**31):
-            raise UserError(f"{name} must be a positive integer below 2^31, got {value!r}")
-    spec.check_page_size(page_size)
-    scheme = parse_scheme(quantization, group_size, activations, keep_float,
-                          int8_dot=spec.supports_int8_dot(), plan=quant_plan)
-    if scheme is not None and scheme.activations == "int8" and not spec.supports_int8_dot():
-        raise UserError(f"--activations int8 needs int8 dot-product instructions; target "
-                        f"{spec.describe()} has none (use weight-only --quantization)")
+    if config is None:
+        config = BuildConfig.create(**options)
+    elif options:
+        config = config.with_options(**options)
+    spec, dtype = config.spec, config.dtype
     output_dir = _check_output(output_dir, force)
     tvm_target = spec.tvm_target()
     clock.lap("start-up (imports, target)")
 
-    config = read_config(model_dir)
-    text_cfg = config.get_text_config()
-    tok_files = tokenizer_files(model_dir, getattr(text_cfg, "vocab_size", None))
-    max_pos = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
-    from .memory import kv_budget, planner
-
-    # the memory plan needs what the user asked for, before defaults fill it in
-    asked = {"context_window": context_window, "kv_cache_tokens": kv_cache_tokens}
-    budget = None if max_memory is None else kv_budget.parse_budget(
-        max_memory, lambda: kv_budget.device_memory_bytes(spec.device_type))
-    planner.check_options(budget, kv_cache_tokens)
-    if context_window is None:
-        context_window = min(max_pos or 2048, 2048)
-    if max_pos and context_window > max_pos:
-        raise UserError(f"--context-window {context_window} exceeds the model's "
-                        f"max_position_embeddings ({max_pos})")
-    kv_cache_tokens = kv_cache_tokens or max(context_window, 4096)
-
-    log(f"[tvm-llm] loading {model_dir} ({config.model_type}, {dtype})")
-    model = load_model(model_dir, config, dtype)
-    clock.lap("load checkpoint")
-    nonfinite = nonfinite_weights(model)
-    clock.lap("check weights are finite")
-    if nonfinite:
-        import warnings
-
-        more = f" (and {len(nonfinite) - 1} more)" if len(nonfinite) > 1 else ""
-        warnings.warn(NonFiniteWarning(
-            f"{model_dir}: weight {nonfinite[0]}{more} holds NaN or Inf; the build's outputs "
-            "will not be finite (re-download or fix the checkpoint)"), stacklevel=2)
-    calib_report = None
-    if scheme is not None and (calibration or calibrate or bits_per_weight is not None):
-        from .quantization.calibration import calibrate_for_build
-
-        scheme, calib_report = calibrate_for_build(model, model_dir, scheme, calibration, calibrate,
-                                                   bits_per_weight, bits_count, log=log)
-    elif calibration or calibrate or bits_per_weight is not None:
-        raise UserError("--calibration/--calibrate/--bits-per-weight need --quantization")
-    clock.lap("calibrate")
-    if scheme is None:  # quantized weights are sized by the plan, after the passes
-        planner.check_weights_fit(budget, sum(p.numel() for p in model.parameters())
-                                  * kv_budget.dtype_bytes(dtype), spec.device_type)
-    log("[tvm-llm] tracing with torch.export and importing into Relax")
+    checkpoint = read_checkpoint(model_dir)
+    tok_files = tokenizer_files(model_dir, getattr(checkpoint.text_config, "vocab_size", None))
+    lowered = lower(checkpoint, config, "finalize", log=log, dump_ir=dump_ir,
+                    disabled_phases=disabled_phases, clock=clock)
     t0 = time.perf_counter()
-    imported = import_model(model, dtype=dtype, context_window=context_window,
-                            max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
-                            target=tvm_target, page_size=page_size)
-    del model
-    t_import = time.perf_counter() - t0
-    clock.lap("trace + import (torch.export)")
-
-    log(f"[tvm-llm] compiling for {spec.name} ({spec.hw_key()})")
-    t0 = time.perf_counter()
-    mod, weight_transforms, report = run_pipeline(imported.mod, spec, dump_dir=dump_ir,
-                                                 disabled=frozenset(disabled_phases),
-                                                 tuning_log=tuning_log, quantization=scheme,
-                                                 checkpoint_names=imported.relax_names)
-    tuning = next((ph.pop("tuning") for ph in report if "tuning" in ph), None)
-    quant_report = next((ph.pop("quantization") for ph in report if "quantization" in ph), None)
-    if scheme is not None:
-        from .quantization.report import summarize
-
-        quant_report = {**scheme.describe(), **(quant_report or {}),
-                        **({"calibration": calib_report} if calib_report else {})}
-        quant_report.update(summarize(quant_report))
+    quant_report, tuning = lowered.quantization, lowered.tuning
+    if quant_report is not None:
         log(f"[tvm-llm] quantized {len(quant_report.get('quantized', {}))} weights "
             f"({', '.join(f'{k}: {v}' for k, v in quant_report['format_counts'].items())}), "
             f"{quant_report['bits_per_weight']:.3f} bits per weight, activations "
-            f"{scheme.activations}; kept {len(quant_report.get('kept_float', {}))} float")
+            f"{lowered.scheme.activations}; kept {len(quant_report.get('kept_float', {}))} float")
     if tuning is not None:
         from .report import format_tuning
 
         log(format_tuning(tuning))
     import tvm
 
-    from .passes.fold_weights import apply_weight_transform, weight_param_names
-
     clock.lap("passes (quantize, fuse, schedule)")
-
-    weights = imported.params
-    for transform in weight_transforms:  # folded graph work, then packing for the kernels
-        weights = apply_weight_transform(transform, weights)
-    names = (weight_param_names(mod, imported.relax_names) if weight_transforms
-             else imported.param_names)
+    names, weights = lowered.weights()
     clock.lap("weight transform (fold, pack)")
 
-    attn = imported.attention
-    memory = planner.plan_memory(
-        mod, vocab_size=imported.vocab_size, num_layers=attn.num_layers, num_heads=attn.num_heads,
-        num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, v_head_dim=attn.v_head_dim,
-        dtype=dtype, device_type=spec.device_type, budget=budget, max_batch_size=max_batch_size,
-        prefill_chunk_size=prefill_chunk_size, page_size=page_size,
-        max_position_embeddings=max_pos, **asked, **planner.sliding_of(attn))
-    from .report import format_memory
-
+    memory = plan_memory(lowered)
     log(format_memory(memory.to_dict()))
-    planner.check_fits_machine(memory, spec.device_type)
     context_window, kv_cache_tokens = memory.context_window, memory.kv.max_total_seq_len
     clock.lap("memory plan")
 
     with tvm.transform.PassContext(opt_level=3, config=spec.pass_context_config()):
-        executable = tvm.compile(mod, target=tvm_target, relax_pipeline=None,
+        executable = tvm.compile(lowered.mod, target=tvm_target, relax_pipeline=None,
                                  tir_pipeline=spec.tir_pipeline() or "default")
-    t_compile = time.perf_counter() - t0
+    t_compile = lowered.pipeline_seconds + time.perf_counter() - t0
     clock.lap("codegen (tvm.compile)")
 
+    imported, hf_config = lowered.imported, checkpoint.config
     remove_stale_temp_dirs(os.path.dirname(output_dir), started)
     tmp = tempfile.mkdtemp(prefix=_tmp_prefix("build"), dir=os.path.dirname(output_dir))
     try:
@@ -276,26 +176,27 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
         clock.lap("tokenizer, sources")
         manifest = {
             "tvm_llm_version": __version__,
-            "model": {"model_type": config.model_type,
-                      "architectures": list(getattr(config, "architectures", None) or []),
+            "model": {"model_type": hf_config.model_type,
+                      "architectures": list(getattr(hf_config, "architectures", None) or []),
                       "vocab_size": imported.vocab_size, "num_layers": attn.num_layers,
                       "num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads,
-                      "head_dim": attn.head_dim, "max_position_embeddings": max_pos,
+                      "head_dim": attn.head_dim,
+                      "max_position_embeddings": checkpoint.max_position_embeddings,
                       "source": os.path.abspath(model_dir)},
             "dtype": dtype,
             "quantization": quant_report,
             "target": spec.describe(),
-            "kv_cache": {"page_size": page_size, "max_batch_size": max_batch_size,
+            "kv_cache": {"page_size": config.page_size, "max_batch_size": config.max_batch_size,
                          "max_total_seq_len": kv_cache_tokens,
-                         "prefill_chunk_size": prefill_chunk_size,
+                         "prefill_chunk_size": config.prefill_chunk_size,
                          "context_window": context_window,
                          # every layer slides with this window: sequences drop older pages
                          "sliding_window": attn.sliding_window},
             "memory": memory.to_dict(),
-            "tokenizer": _tokenizer_info(model_dir, config),
-            "nonfinite_weights": nonfinite,
+            "tokenizer": _tokenizer_info(model_dir, hf_config),
+            "nonfinite_weights": lowered.nonfinite,
             "params": table,
-            "report": {"phases": report, "import_seconds": round(t_import, 2),
+            "report": {"phases": lowered.phases, "import_seconds": round(lowered.import_seconds, 2),
                        "compile_seconds": round(t_compile, 2),
                        "build_seconds": clock.seconds, "build_cpu_seconds": clock.cpu_seconds,
                        **({"tuning": tuning} if tuning is not None else {})},

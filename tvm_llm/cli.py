@@ -13,33 +13,19 @@ DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "de
 
 def _build(args) -> None:
     from .build import build
-    from .quantization.calibration import CLI_DEFAULTS
+    from .config import BuildConfig
 
-    if args.calibrate != "none" and args.calibration is None and args.bits_per_weight is None:
-        # `--quantization q4` means our best mix (README: Calibration and the automatic mix)
-        for key, value in CLI_DEFAULTS.get(args.quantization, {}).items():
-            if getattr(args, key) is None:
-                setattr(args, key, value)
-
-    build(args.model_dir, args.output, target=args.target, arch=args.arch, dtype=args.dtype,
-          force=args.force, emit_source=args.emit_source, context_window=args.context_window,
-          max_batch_size=args.max_batch_size, prefill_chunk_size=args.prefill_chunk_size,
-          page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens,
-          max_memory=args.max_memory, dump_ir=args.dump_ir, tuning_log=args.tuning_log,
-          quantization=args.quantization, group_size=args.group_size,
-          activations=args.activations, keep_float=args.keep_float,
-          calibration=args.calibration, calibrate=args.calibrate,
-          bits_per_weight=args.bits_per_weight, bits_count=args.bits_count)
+    build(args.model_dir, args.output, BuildConfig.from_args(args), force=args.force,
+          emit_source=args.emit_source, dump_ir=args.dump_ir)
 
 
 def _tune(args) -> None:
+    from .config import BuildConfig
     from .tune import tune
 
-    tune(args.model_dir, target=args.target, arch=args.arch, trials=args.trials,
-         log_dir=args.log_dir, buckets=args.bucket, kernels=args.kernels,
-         rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key, dtype=args.dtype,
-         context_window=args.context_window, max_batch_size=args.max_batch_size,
-         prefill_chunk_size=args.prefill_chunk_size, trials_per_batch=args.trials_per_batch,
+    tune(args.model_dir, BuildConfig.from_args(args), trials=args.trials, log_dir=args.log_dir,
+         buckets=args.bucket, kernels=args.kernels, rpc_tracker=args.rpc_tracker,
+         rpc_key=args.rpc_key, trials_per_batch=args.trials_per_batch,
          compare_generic=not args.no_rules_baseline, rule_grid=not args.no_rule_grid,
          log=lambda *a: print(*a, flush=True))
 
@@ -47,18 +33,13 @@ def _tune(args) -> None:
 def _plan(args) -> None:
     import json
 
-    from .memory import plan_checkpoint
+    from .config import BuildConfig
+    from .front import plan
     from .report import format_memory
 
-    plan = plan_checkpoint(args.model_dir, target=args.target, arch=args.arch, dtype=args.dtype,
-                           max_memory=args.max_memory, context_window=args.context_window,
-                           max_batch_size=args.max_batch_size,
-                           prefill_chunk_size=args.prefill_chunk_size, page_size=args.page_size,
-                           kv_cache_tokens=args.kv_cache_tokens,
-                           log=(lambda *a: print(*a, file=sys.stderr)),
-                           quantization=args.quantization, group_size=args.group_size,
-                           activations=args.activations, keep_float=args.keep_float)
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_memory(plan.to_dict()))
+    memory = plan(args.model_dir, BuildConfig.from_args(args),
+                  log=(lambda *a: print(*a, file=sys.stderr)))
+    print(json.dumps(memory.to_dict(), indent=2) if args.json else format_memory(memory.to_dict()))
 
 
 def _generate(args) -> None:
@@ -126,11 +107,12 @@ def _perplexity(args) -> None:
 
 
 def _sensitivity(args) -> None:
+    from .config import BuildConfig
     from .perplexity import read_text
-    from .quantization import parse_scheme
     from .quantization.sensitivity import sensitivity
 
-    scheme = parse_scheme(args.quantization, args.group_size, args.activations or "float")
+    # weight-only unless --activations int8 is asked for, whatever the CPU has
+    scheme = BuildConfig.from_args(args, activations=args.activations or "float").scheme
     report = sensitivity(args.model_dir, scheme, read_text(args.text), window=args.window,
                          max_windows=args.max_windows,
                          log=lambda *a: print(*a, file=sys.stderr, flush=True))
@@ -322,6 +304,10 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--context-window", type=_positive_int, default=None)
     t.add_argument("--max-batch-size", type=_positive_int, default=8)
     t.add_argument("--prefill-chunk-size", type=_positive_int, default=512)
+    t.add_argument("--page-size", type=_page_size, default=16, help="KV cache page size in tokens")
+    _add_quantization_args(t)
+    t.add_argument("--keep-float", default=None, metavar="LAYERS",
+                   help="what stays float under --quantization (as for build)")
     t.set_defaults(func=_tune)
 
     pl = sub.add_parser("plan", help="print the memory plan of a checkpoint without compiling",

@@ -185,9 +185,11 @@ def verify(out_dir: str, reference: str | None = None, prompts=None,
         raise UserError(f"--min-top1 must be a fraction in [0, 1], got {min_top1}")
     manifest = artifact.read_manifest(out_dir)  # UserError if not a build directory
     reference = _reference_dir(manifest, reference, out_dir)
-    from .frontend import load_model, read_config
+    from .config import BuildConfig
+    from .front import lower, read_checkpoint
 
-    config = read_config(reference)
+    checkpoint = read_checkpoint(reference)
+    config = checkpoint.config
     check_reference(manifest, config, reference, out_dir)
     from .runtime.engine import Engine
 
@@ -201,7 +203,7 @@ def verify(out_dir: str, reference: str | None = None, prompts=None,
                         f"{hidden} in the reference but {got_hidden} in the build; pass the "
                         "checkpoint the build was made from")
 
-    model = load_model(reference, config, "float32")
+    model = lower(checkpoint, BuildConfig.create(dtype="float32"), "load", log=lambda *a: None).model
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation("eager")
     refs = [reference_states(model, ids) for ids in token_ids]

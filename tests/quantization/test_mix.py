@@ -53,7 +53,8 @@ def test_fisher_estimate_ranks_units_like_measured_loss():
     from tvm_llm.perplexity import read_text
     from tvm_llm.quantization import calibration as C
     from tvm_llm.quantization.plan import QuantPlan
-    from tvm_llm.quantization.sensitivity import SimulatedPlan, fisher_units, untie_head
+    from tvm_llm.quantization.calibration import fisher_units
+    from tvm_llm.quantization.simulation import SimulatedPlan, untie_head
 
     model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, attn_implementation="eager").eval()
     untie_head(model)  # the build quantizes a copy of the tied head

@@ -175,10 +175,12 @@ def test_quantized_cuda_cross_build(checkpoint, tmp_path):
 
 
 def test_plan_sizes_quantized_weights_as_the_build_stores_them(qbuild, checkpoint):
-    from tvm_llm.memory import plan_checkpoint
+    from tvm_llm.config import BuildConfig
+    from tvm_llm.front import plan as plan_checkpoint
 
     m = json.load(open(os.path.join(qbuild("q4", activations="float"), "manifest.json")))
-    plan = plan_checkpoint(checkpoint("llama"), quantization="q4", activations="float", max_batch_size=4,
-                           prefill_chunk_size=64, log=lambda *a: None).to_dict()
+    config = BuildConfig.create(quantization="q4", activations="float", max_batch_size=4,
+                                prefill_chunk_size=64)
+    plan = plan_checkpoint(checkpoint("llama"), config, log=lambda *a: None).to_dict()
     assert plan["weights"] == m["memory"]["weights"]
     assert "uint8" in plan["weights"]["by_dtype"]

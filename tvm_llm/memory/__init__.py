@@ -7,4 +7,4 @@ The plan is printed by `tvm-llm build` and `tvm-llm plan` and stored in the mani
 "memory" section; tvm_llm.report.format_memory prints it for every command.
 """
 from .kv_budget import Budget, KVPool, kv_bytes_per_token, parse_budget  # noqa: F401
-from .planner import MemoryPlan, activation_plan, plan_checkpoint, plan_memory  # noqa: F401
+from .planner import MemoryPlan, activation_plan, plan_memory  # noqa: F401

@@ -1,7 +1,11 @@
 """The memory plan: weights, activations, logits, KV pool and runtime, before anything runs.
 
-    plan = plan_memory(mod, imported, dtype="float32", device_type="cpu", budget=parse_budget("4GB"), ...)
+    plan = plan_memory(mod, vocab_size=..., num_layers=..., head_dim=..., dtype="float32",
+                       device_type="cpu", budget=parse_budget("4GB"), ...)
     print(format_memory(plan.to_dict()))       # tvm_llm.report: the same text everywhere
+
+It plans from sizes and shapes (a module after the static memory plan, or weights and
+activations given); taking a checkpoint there is the front half's work (tvm_llm/front.py).
 
 Activations come from TVM's static block-memory plan: after `StaticPlanBlockMemory`, with
 upper bounds on the symbolic sizes (prefill tokens <= prefill_chunk_size, decode batch <=
@@ -236,6 +240,17 @@ def check_options(budget: Budget | None, kv_cache_tokens: int | None) -> None:
                         "KV cache")
 
 
+def default_context(context_window: int | None, max_position_embeddings: int | None) -> int:
+    """The context window asked for, else min(max_position_embeddings, 2048); UserError when
+    the one asked for exceeds the model's."""
+    if context_window is None:
+        return min(max_position_embeddings or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
+    if max_position_embeddings and context_window > max_position_embeddings:
+        raise UserError(f"--context-window {context_window} exceeds the model's "
+                        f"max_position_embeddings ({max_position_embeddings})")
+    return context_window
+
+
 def check_fits_machine(plan: "MemoryPlan", device_type: str) -> None:
     """A plan without a budget (--kv-cache-tokens, the defaults) must still fit the memory of
     the device it is planned for, when that is known here: a KV pool past it would fail to
@@ -290,10 +305,9 @@ def plan_memory(mod=None, *, weights=None, activations: ActivationPlan | None = 
     logits = logits_pool_bytes(vocab_size, out_dtype, rows)
     per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, v_head_dim)
     reserve = RUNTIME_RESERVE.get(device_type, RUNTIME_RESERVE["cpu"])
-    default_ctx = min(max_position_embeddings or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
-    if context_window is not None and max_position_embeddings and context_window > max_position_embeddings:
-        raise UserError(f"--context-window {context_window} exceeds the model's "
-                        f"max_position_embeddings ({max_position_embeddings})")
+    default_ctx = default_context(None, max_position_embeddings)
+    if context_window is not None:
+        default_context(context_window, max_position_embeddings)  # checks it
 
     def workspace(pages):
         return kv_workspace_bytes(device_type, num_heads, num_kv_heads, head_dim, dtype,
@@ -363,75 +377,3 @@ def plan_memory(mod=None, *, weights=None, activations: ActivationPlan | None = 
     return MemoryPlan(by_dtype, n_tensors, acts, logits, rows, out_dtype, vocab_size, pool, dtype,
                       workspace(pool.pages), reserve, device_type, ctx, source, max_batch_size,
                       prefill_chunk_size, max_position_embeddings, budget, notes, sliding_window)
-
-
-def sliding_of(attn) -> dict:
-    """plan_memory's sliding-window arguments from an import's AttentionShape."""
-    windows = [v[0] for v in getattr(attn, "variants", {}).values() if v[0]]
-    return {"sliding_window": getattr(attn, "sliding_window", 0), "sliding_layers": len(windows)}
-
-
-def plan_checkpoint(model_dir: str, target: str = "llvm", arch: str | None = None,
-                    dtype: str | None = None, max_memory=None, context_window: int | None = None,
-                    max_batch_size: int = 8, prefill_chunk_size: int = 512, page_size: int = 16,
-                    kv_cache_tokens: int | None = None, log=print, quantization: str | None = None,
-                    group_size: int = 32, activations: str | None = None,
-                    keep_float=None) -> MemoryPlan:
-    """`tvm-llm plan`: import the checkpoint and run the Relax passes through the static
-    memory plan, then plan; no kernel is compiled (no tvm.compile, no codegen). The
-    quantization options size the weights as `tvm-llm build` with them stores them."""
-    from ..build import DTYPES
-    from ..frontend import import_model, load_model, read_config
-    from ..passes.pipeline import run_pipeline
-    from ..quantization import parse_scheme
-    from ..targets import get_target
-    from .kv_budget import device_memory_bytes, parse_budget
-
-    spec = get_target(target, arch=arch)
-    scheme = parse_scheme(quantization, group_size, activations, keep_float,
-                          int8_dot=spec.supports_int8_dot())
-    dtype = dtype or spec.default_dtype
-    if dtype not in DTYPES:
-        raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    for name, value in (("max_batch_size", max_batch_size), ("prefill_chunk_size", prefill_chunk_size),
-                        ("page_size", page_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"{name} must be a positive integer, got {value!r}")
-    for name, value in (("context_window", context_window), ("kv_cache_tokens", kv_cache_tokens)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or not 1 <= value < 2**31):
-            raise UserError(f"{name} must be a positive integer below 2^31, got {value!r}")
-    spec.check_page_size(page_size)
-    budget = None if max_memory is None else parse_budget(
-        max_memory, lambda: device_memory_bytes(spec.device_type))
-    check_options(budget, kv_cache_tokens)
-    config = read_config(model_dir)
-    text_cfg = config.get_text_config()
-    max_pos = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
-    if context_window is not None and max_pos and context_window > max_pos:
-        raise UserError(f"--context-window {context_window} exceeds the model's "
-                        f"max_position_embeddings ({max_pos})")
-    log(f"[tvm-llm] loading {model_dir} ({config.model_type}, {dtype})")
-    model = load_model(model_dir, config, dtype)
-    if scheme is None:  # quantized weights are sized after the passes
-        check_weights_fit(budget, sum(p.numel() for p in model.parameters()) * dtype_bytes(dtype),
-                          spec.device_type)
-    log("[tvm-llm] importing and running the Relax passes up to the static memory plan")
-    imported = import_model(model, dtype=dtype,
-                            context_window=context_window or min(max_pos or DEFAULT_CONTEXT, DEFAULT_CONTEXT),
-                            max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
-                            target=spec.tvm_target())
-    del model
-    mod = run_pipeline(imported.mod, spec, quantization=scheme,
-                       checkpoint_names=imported.relax_names)[0]
-    attn = imported.attention
-    plan = plan_memory(mod, vocab_size=imported.vocab_size,
-                       num_layers=attn.num_layers, num_heads=attn.num_heads,
-                       num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-                       v_head_dim=attn.v_head_dim, dtype=dtype, device_type=spec.device_type,
-                       budget=budget, context_window=context_window,
-                       kv_cache_tokens=kv_cache_tokens, max_batch_size=max_batch_size,
-                       prefill_chunk_size=prefill_chunk_size, page_size=page_size,
-                       max_position_embeddings=max_pos, **sliding_of(attn))
-    check_fits_machine(plan, spec.device_type)
-    return plan

@@ -140,6 +140,28 @@ def kernels_per_call(mod, func_name: str, inside_graphs: bool = True) -> int:
     return count[0]
 
 
+def capture_summary(mod, func_name: str) -> dict:
+    """What one call of `func_name` in a finalized module runs as graphs: the captured regions
+    it replays, the kernels inside them, and the kernel launches left outside (reading a runtime
+    input such as the token ids, or calling the paged-KV attention)."""
+    from tvm import relax
+
+    from .graph_capture import captured_region
+
+    regions = []
+
+    def visit(expr):
+        name = captured_region(expr)
+        if name is not None:
+            regions.append(name)
+
+    if func_name in [gv.name_hint for gv in mod.get_global_vars()]:
+        relax.analysis.post_order_visit(mod[func_name], visit)
+    return {"regions": len(regions),
+            "captured_kernels": sum(kernels_per_call(mod, r) for r in regions),
+            "uncaptured_kernels": kernels_per_call(mod, func_name, inside_graphs=False)}
+
+
 def run_pipeline(mod, target_spec, dump_dir: str | None = None,
                  disabled: frozenset = frozenset(), tuning_log: str | None = None,
                  stop_after: str | None = None, quantization=None,
@@ -198,7 +220,5 @@ def run_pipeline(mod, target_spec, dump_dir: str | None = None,
                    "decode_kernels": kernels_per_call(mod, "decode"),
                    "prefill_kernels": kernels_per_call(mod, "prefill")})
     if target_spec.graph_capture_passes():
-        from .graph_capture import capture_summary
-
         report[-1]["decode_graph_capture"] = capture_summary(mod, "decode")
     return mod, weight_transforms, report

@@ -491,7 +491,6 @@ def calibrate_for_build(model, model_dir: str, quant, text_path: str | None = No
         report["seconds"] = round(time.perf_counter() - t0, 1)
         return quant, report
     from . import mix
-    from .sensitivity import fisher_units
 
     importance = {}
     if "importance" in methods:
@@ -518,3 +517,53 @@ def _alias_head(model, table: dict) -> None:
     if head is not None and head.weight is emb.weight and "lm_head.weight" in table:
         emb_name = next(n for n, m in model.named_modules() if m is emb) + ".weight"
         table[emb_name] = table["lm_head.weight"]
+
+
+def fisher_units(model, calib, candidates: list, importance: dict | None = None,
+                 exact: bool = False) -> list:
+    """mix.Unit per stored matrix (merged q|k|v and gate|up, o_proj, down_proj, the LM head)
+    with its estimated loss increase in each candidate format: sum E[g_i^2] E[x_k^2] dW_ik^2
+    from a calibration with gradients (calibration.collect(..., gradients=True)). The LM head
+    must be untied first if the build quantizes a copy of a tied embedding (untie_head).
+    `exact`: round with the formats' own quantizers (importance-weighted); default: their
+    round-to-nearest stand-in (calibration.fast_round_trip), ~50x cheaper on a whole model."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .formats import FORMATS, fake_quantize, host_threads
+    from .mix import Unit
+    from .simulation import merged_names, plan_linears
+
+    linears = plan_linears(model)
+    module_of = {id(m): n for n, m in model.named_modules()}
+    jobs, seen = [], set()
+    for name in linears:
+        if name in seen:
+            continue
+        names = [n for n in merged_names(name) if n in linears]
+        seen.update(names)
+        mods = [linears[n] for n in names]
+        stat_names = [module_of[id(m)] for m in mods]
+        if any(s not in calib.out_grad_sq for s in stat_names) or stat_names[0] not in calib.stats:
+            continue
+        jobs.append((names, mods, stat_names))
+
+    def unit(job):
+        names, mods, stat_names = job
+        W = np.concatenate([m.weight.detach().float().numpy() for m in mods])
+        G = np.concatenate([calib.out_grad_sq[s] for s in stat_names]).astype(np.float64)
+        X = calib.stats[stat_names[0]].mean_sq.astype(np.float64)
+        imp = None if importance is None else importance.get(names[0])
+        errors = {}
+        for fmt in candidates:
+            if not FORMATS[fmt].applies_to(*W.shape):
+                errors[fmt] = 0.0
+                continue
+            wq = fake_quantize(W, fmt, imp) if exact else fast_round_trip(W, fmt)
+            d = (W - wq).astype(np.float64)
+            errors[fmt] = float(G @ (d * d) @ X)
+        return Unit(tuple(names), W.shape, errors)
+
+    # one unit per thread at a time (numpy's element-wise rounding is single-threaded and
+    # releases the GIL); the units keep their order, each computed as it would be alone
+    with ThreadPoolExecutor(min(len(jobs), host_threads()) or 1) as pool:
+        return list(pool.map(unit, jobs))

@@ -3,6 +3,16 @@ from __future__ import annotations
 
 import os
 
+_REGISTRY = {}  # short name -> TargetSpec subclass (get_target in targets/__init__.py)
+
+
+def register_target(name):
+    """Class decorator: make a TargetSpec subclass available as `get_target(name)`."""
+    def deco(cls):
+        _REGISTRY[name] = cls
+        return cls
+    return deco
+
 
 class TargetSpec:
     """One compilation target. Subclasses fill in the pieces that differ."""

@@ -19,8 +19,7 @@ import os
 import re
 import struct
 
-from . import register_target
-from .base import TargetSpec
+from .base import TargetSpec, register_target
 from ..errors import UserError
 
 # arch -> (shared memory a block may use, bytes; what the schedules may plan for)

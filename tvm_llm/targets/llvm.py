@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import os
 
-from . import register_target
-from .base import TargetSpec
+from .base import TargetSpec, register_target
 from ..errors import UserError
 
 CROSS_TRIPLES = {"aarch64": "aarch64-linux-gnu", "x86_64": "x86_64-linux-gnu"}

@@ -26,8 +26,7 @@ import math
 import os
 import tempfile
 
-from . import register_target
-from .base import TargetSpec
+from .base import TargetSpec, register_target
 from .cuda import host_target
 from ..errors import UserError
 

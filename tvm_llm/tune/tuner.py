@@ -2,8 +2,9 @@
 
     tune(model_dir, target="llvm", trials=32, log_dir="autotune_logs/cpu-x86_64-znver4-avx512")
 
-1. import the checkpoint and run our pipeline up to its "lowering" phase, so the kernels are
-   exactly those the build compiles (same fusion, same weight layout);
+1. import the checkpoint and run our pipeline up to its "lowering" phase (tvm_llm/front.py,
+   with the build's configuration: dtype, batch sizes, quantization), so the kernels are
+   exactly those the build compiles (same fusion, same weight layout, same quantized kernels);
 2. add the static shape-bucket copies of the symbolic kernels (tvm_llm.tune.buckets; MetaSchedule
    aborts on symbolic extents) and extract them as tasks, deduplicated structurally
    (`ms.relax_integration.extract_tasks`);
@@ -111,29 +112,6 @@ def light_tensor_intrin(target):
     finally:  # the submodules stay loaded: their intrinsics are registered once per process
         if sys.modules.get(name) is stub:
             del sys.modules[name]
-
-
-def lowered_module(model_dir: str, spec, dtype: str | None = None,
-                   context_window: int | None = None, max_batch_size: int = 8,
-                   prefill_chunk_size: int = 512, log=print):
-    """The model's module after the pipeline's "lowering" phase, with the build's defaults."""
-    from ..frontend import import_model, load_model, read_config
-    from ..passes.pipeline import run_pipeline
-
-    config = read_config(model_dir)
-    text_cfg = config.get_text_config()
-    max_pos = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
-    if context_window is None:
-        context_window = min(max_pos or 2048, 2048)
-    dtype = dtype or spec.default_dtype
-    log(f"[tvm-llm] loading {model_dir} ({config.model_type}, {dtype})")
-    model = load_model(model_dir, config, dtype)
-    imported = import_model(model, dtype=dtype, context_window=context_window,
-                            max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
-                            target=spec.tvm_target())
-    del model
-    mod, _, _ = run_pipeline(imported.mod, spec, stop_after="lowering")
-    return mod
 
 
 @dataclass
@@ -322,20 +300,30 @@ def rpc_servers(host: str, port: int, key: str) -> int:
                if str(server.get("key", "")) == f"server:{key}")
 
 
-def tune(model_dir: str, target: str = "llvm", arch: str | None = None,
-         trials: int = DEFAULT_TRIALS, log_dir: str | None = None, buckets=None,
-         kernels=None, rpc_tracker: str | None = None, rpc_key: str | None = None,
-         dtype: str | None = None, context_window: int | None = None, max_batch_size: int = 8,
-         prefill_chunk_size: int = 512, log=print, **options) -> dict:
+def tune(model_dir: str, config=None, *, trials: int = DEFAULT_TRIALS,
+         log_dir: str | None = None, buckets=None, kernels=None, rpc_tracker: str | None = None,
+         rpc_key: str | None = None, log=print, **options) -> dict:
     """Tune the kernels of `model_dir` into `log_dir` (default autotune_logs/<hw-key>), `trials`
     trials per kernel; returns a summary dict. Safe to interrupt and rerun: measured records
-    are on disk, and each kernel only gets the trials it still lacks. `options` go to
-    tune_module (trials_per_batch, builders, warmup_samples, cache_flush, seed,
-    compare_generic)."""
-    from ..targets import get_target
+    are on disk, and each kernel only gets the trials it still lacks. `config`: the build's
+    tvm_llm.config.BuildConfig (target, dtype, batch sizes, quantization: the kernels tuned
+    are those that build compiles); `options`: BuildConfig fields by name (overriding
+    `config`'s) and tune_module's options (trials_per_batch, builders, warmup_samples,
+    cache_flush, seed, compare_generic, rule_grid)."""
+    from dataclasses import fields
+
+    from ..config import BuildConfig
+    from ..front import lower
     from .buckets import DEFAULT_BUCKETS, parse_buckets
 
-    spec = get_target(target, arch=arch)
+    names = {f.name for f in fields(BuildConfig)}
+    build_options = {k: v for k, v in options.items() if k in names}
+    options = {k: v for k, v in options.items() if k not in names}
+    if config is None:
+        config = BuildConfig.create(**build_options)
+    elif build_options:
+        config = config.with_options(**build_options)
+    spec = config.spec
     if not isinstance(trials, int) or trials < 1:
         raise UserError(f"--trials must be a positive integer, got {trials!r}")
     try:
@@ -344,8 +332,7 @@ def tune(model_dir: str, target: str = "llvm", arch: str | None = None,
         raise UserError(str(e)) from None
     runner = make_runner(rpc_tracker, rpc_key, options.get("cache_flush", True)
                          and spec.device_type == "cpu")  # fail early on a bad tracker
-    mod = lowered_module(model_dir, spec, dtype, context_window, max_batch_size,
-                         prefill_chunk_size, log)
+    mod = lower(model_dir, config, "lowering", log=log).mod
     return tune_module(mod, spec, buckets, trials=trials, log_dir=log_dir, kernels=kernels,
                        runner=runner, log=log, **options)
 

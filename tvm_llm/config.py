@@ -1,0 +1,134 @@
+"""What a build is asked for, parsed and checked once: `BuildConfig`.
+
+    config = BuildConfig.create(target="llvm", dtype="float16", quantization="q4")
+    config = BuildConfig.from_args(args)          # the CLI: the same checks, argparse's names
+
+`build`, `plan`, `tune`, `verify` and `sensitivity` take one; the front half (front.py) reads
+everything it needs from it. Every bad value is a UserError naming the option and the fix, raised
+here before any checkpoint is read. The fields the user gave are kept as given (the memory plan
+needs to know which of context window / KV tokens were asked for); what is derived from them
+(the target spec, the default dtype, the quantization scheme, the memory budget) is resolved here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from .errors import UserError
+
+DTYPES = ("float32", "float16", "bfloat16")
+MAX_TOKENS = 2**31  # TVM's KV cache indexes tokens with int32
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    # target
+    target: str = "llvm"
+    arch: str | None = None
+    dtype: str | None = None  # None: the target's default (resolved by create)
+    # KV cache and batching (context_window / kv_cache_tokens None: not asked for)
+    context_window: int | None = None
+    max_batch_size: int = 8
+    prefill_chunk_size: int = 512
+    page_size: int = 16
+    kv_cache_tokens: int | None = None
+    max_memory: object = None  # "4GB", "50%", 0.5 ... (memory.kv_budget.parse_budget)
+    # kernels
+    tuning_log: str | None = None
+    # quantization (quantization/scheme.py) and its calibration (quantization/calibration.py)
+    quantization: str | None = None
+    group_size: int = 32
+    activations: str | None = None
+    keep_float: object = None
+    quant_plan: object = None  # a quantization.plan.QuantPlan replacing the plain one
+    calibration: str | None = None
+    calibrate: str | None = None
+    bits_per_weight: float | None = None
+    bits_count: str = "body"
+    # resolved by create(), not given
+    spec: object = field(default=None, compare=False)  # targets.TargetSpec of target, arch
+    scheme: object = None  # quantization.scheme.QuantScheme or None (float build)
+    budget: object = None  # memory.kv_budget.Budget or None
+
+    @classmethod
+    def create(cls, **options) -> "BuildConfig":
+        """The one constructor: checks every option, resolves the target, dtype, scheme and
+        budget. Unknown option names are a TypeError (a programming error, not user input)."""
+        names = {f.name for f in fields(cls)} - _RESOLVED
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TypeError(f"unknown build option(s): {', '.join(unknown)}")
+        return cls(**options)._resolved()
+
+    @classmethod
+    def from_args(cls, args, **overrides) -> "BuildConfig":
+        """From an argparse namespace: the options its command defines (others keep their
+        defaults). `tvm-llm build --quantization q8|q4` without calibration options means our
+        best recipe (quantization.calibration.CLI_DEFAULTS); the API's q8 / q4 stay plain."""
+        names = {f.name for f in fields(cls)} - _RESOLVED
+        options = {n: getattr(args, n) for n in names if hasattr(args, n)}
+        options.update(overrides)
+        if hasattr(args, "calibrate") and options.get("calibrate") != "none" \
+                and options.get("calibration") is None and options.get("bits_per_weight") is None:
+            from .quantization.calibration import CLI_DEFAULTS
+
+            for key, value in CLI_DEFAULTS.get(options.get("quantization"), {}).items():
+                if options.get(key) is None:
+                    options[key] = value
+        return cls.create(**options)
+
+    def with_options(self, **options) -> "BuildConfig":
+        """This configuration with some options changed, checked again (a new target without
+        a dtype gets that target's default dtype)."""
+        given = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _RESOLVED}
+        given.update(options)
+        if ("target" in options or "arch" in options) and "dtype" not in options:
+            given["dtype"] = None
+        return BuildConfig.create(**given)
+
+    @property
+    def calibrating(self) -> bool:
+        return bool(self.calibration or self.calibrate or self.bits_per_weight is not None)
+
+    def default_context(self, max_position_embeddings: int | None) -> int:
+        """The context window the module is imported for: the one asked for, else
+        min(max_position_embeddings, 2048). UserError when it exceeds the model's."""
+        from .memory.planner import default_context
+
+        return default_context(self.context_window, max_position_embeddings)
+
+    def _resolved(self) -> "BuildConfig":
+        from .memory import kv_budget, planner
+        from .quantization import parse_scheme
+        from .targets import get_target
+
+        spec = get_target(self.target, arch=self.arch)
+        dtype = self.dtype or spec.default_dtype
+        if dtype not in DTYPES:
+            raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        for name in ("max_batch_size", "prefill_chunk_size", "page_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("context_window", "kv_cache_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 1 <= value < MAX_TOKENS):
+                raise UserError(f"{name} must be a positive integer below 2^31, got {value!r}")
+        spec.check_page_size(self.page_size)
+        scheme = parse_scheme(self.quantization, self.group_size, self.activations,
+                              self.keep_float, int8_dot=spec.supports_int8_dot(),
+                              plan=self.quant_plan)
+        if scheme is not None and scheme.activations == "int8" and not spec.supports_int8_dot():
+            raise UserError(f"--activations int8 needs int8 dot-product instructions; target "
+                            f"{spec.describe()} has none (use weight-only --quantization)")
+        if scheme is None and self.calibrating:
+            raise UserError("--calibration/--calibrate/--bits-per-weight need --quantization")
+        if self.bits_count not in ("all", "body"):
+            raise UserError(f"--bits-count must be all or body, got {self.bits_count!r}")
+        budget = None if self.max_memory is None else kv_budget.parse_budget(
+            self.max_memory, lambda: kv_budget.device_memory_bytes(spec.device_type))
+        planner.check_options(budget, self.kv_cache_tokens)
+        return replace(self, dtype=dtype, spec=spec, scheme=scheme, budget=budget)
+
+
+_RESOLVED = {"spec", "scheme", "budget"}

@@ -26,6 +26,17 @@ with a, b per weight row: q4_1 a = d, b = m; q4_k a = d * sc, b = -dmin * mn (co
 tile and group, reused for every row of x), xs * xsum kept per row and block when x is
 quantized. So a row and group cost 8 vpdpbusd and 3 (sym) or 4 vector float ops.
 
+Decode (one row of x) sums U groups per statement (U = a q4_k super-block, else the largest
+divisor of K/32 up to 8) as one expression (block_sum): the weight tiles, the int32 dot products
+and the float partial sums stay in registers, and q4_k applies its super-scales once per
+super-block: d * sum_g acc_g * (sc_g * xs_g) - dmin * sum_g mn_g * (xs * xsum)_g. Before, each
+group went through local buffers that the build's pipeline turned into memory (workspace
+allocations): every group stored and reloaded its tiles, coefficients and the accumulator.
+Measured with scripts/bench_int8_kernel.py (1 thread, CPU time, machine shared), llama-110m
+gate_up 768 -> 4096: q4_k 144 -> 93 us with weights cold (past the LLC), 43 us hot, so the
+kernel is now bound by memory, not by unpacking; q8_0 287 -> 203 us cold; LM head 768 -> 32000
+q4_k 1531 -> 715 us.
+
 Rows of x (prefill, batched decode): each group's weight tiles are loaded (and for 4 bits
 unpacked) once into a local buffer of 8 tiles and used for every row (reads from L1 at worst),
 so a row costs only its dot products;

@@ -195,7 +195,7 @@ def build(model_dir: str, output_dir: str, target: str = "llvm", arch: str | Non
     t0 = time.perf_counter()
     imported = import_model(model, dtype=dtype, context_window=context_window,
                             max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
-                            target=tvm_target, page_size=page_size)
+                            target=spec, page_size=page_size)
     del model
     t_import = time.perf_counter() - t0
     clock.lap("trace + import (torch.export)")

@@ -28,7 +28,9 @@ def is_llvm_cpu(target: Target | None) -> bool:
     return target is not None and target.kind.name == "llvm"
 
 
-def _has(feature: str, target: Target) -> bool:
+def has_feature(feature: str, target: Target) -> bool:
+    """Whether LLVM says the target's CPU has `feature` (e.g. avx512f, avx512vnni); False for
+    a feature name LLVM does not know for the target's architecture."""
     try:
         return bool(tvm.target.codegen.llvm_cpu_has_features(feature, target))
     except Exception:  # pylint: disable=broad-except
@@ -50,9 +52,9 @@ def vector_isa(target: Target) -> str:
     """avx512, avx2, sse, neon or generic."""
     arch = target_arch(target)
     if arch == "x86_64":
-        if _has("avx512f", target):
+        if has_feature("avx512f", target):
             return "avx512"
-        if _has("avx2", target):
+        if has_feature("avx2", target):
             return "avx2"
         return "sse"
     if arch in ("aarch64", "arm"):

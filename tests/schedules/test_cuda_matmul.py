@@ -2,7 +2,7 @@
 
 No GPU here: the rules' claims and generated PTX are checked, and each rule's loop structure
 is run on the CPU with thread bindings serialised and the tensor intrinsics left as their
-plain descriptions (schedules.cuda.verify), against numpy.
+plain descriptions (tests/gpu_verify.py), against numpy.
 """
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ def spec():
 @pytest.fixture(scope="module")
 def kernels(spec):
     """{"prefill"|"decode": the fused matmul PrimFunc}, bounds annotated as the build does."""
-    from schedules.cuda.analysis import AnnotateSymbolicBounds
-    from schedules.cuda.verify import lower_for_scheduling
+    from schedules.gpu.analysis import AnnotateSymbolicBounds
+    from gpu_verify import lower_for_scheduling
 
     mod = AnnotateSymbolicBounds()(lower_for_scheduling(Model))
     found = {}
@@ -89,7 +89,7 @@ def test_tensor_core_rule_needs_sm80(kernels):
 @pytest.mark.parametrize("n", [1, 77, 300])
 def test_tensor_core_schedule_numerics_on_cpu(spec, kernels, n):
     from schedules.cuda import cuda_rules
-    from schedules.cuda.verify import run_on_cpu
+    from gpu_verify import run_on_cpu
 
     rule = cuda_rules(tensorize=False, narrow=False)[0]
     with spec.tvm_target():
@@ -107,7 +107,7 @@ def test_tensor_core_schedule_numerics_on_cpu(spec, kernels, n):
 @pytest.mark.parametrize("b", [1, 3, 8])
 def test_gemv_schedule_numerics_on_cpu(spec, kernels, b):
     from schedules.cuda import cuda_rules
-    from schedules.cuda.verify import run_on_cpu
+    from gpu_verify import run_on_cpu
 
     rule = cuda_rules()[1]
     with spec.tvm_target():
@@ -145,7 +145,7 @@ def test_fragment_layout_matches_ptx_isa():
 @pytest.fixture(scope="module")
 def compiled(spec, tmp_path_factory):
     """The model built as the build does for sm_80, exported with PTX."""
-    from schedules.cuda.verify import lower_for_scheduling
+    from gpu_verify import lower_for_scheduling
 
     target = spec.tvm_target()
     with target, tvm.transform.PassContext(opt_level=3, config=spec.pass_context_config()):
@@ -221,8 +221,8 @@ def test_scheduled_kernels_run_inside_the_relax_vm(kernels):
     from tvm import relax
 
     from schedules.cuda import cuda_rules
-    from schedules.cuda.analysis import AnnotateSymbolicBounds
-    from schedules.cuda.verify import lower_for_scheduling, serialize_threads
+    from schedules.gpu.analysis import AnnotateSymbolicBounds
+    from gpu_verify import lower_for_scheduling, serialize_threads
     from tvm_llm.targets import get_target
 
     target = get_target("cuda").tvm_target()

@@ -53,8 +53,8 @@ def spec():
 
 @pytest.fixture(scope="module")
 def kernels():
-    from schedules.cuda.analysis import AnnotateSymbolicBounds
-    from schedules.cuda.verify import lower_for_scheduling
+    from schedules.gpu.analysis import AnnotateSymbolicBounds
+    from gpu_verify import lower_for_scheduling
 
     mod = AnnotateSymbolicBounds()(lower_for_scheduling(Model))
     found = {}
@@ -100,7 +100,7 @@ def test_wavefront_tile_is_64x64(spec, kernels):
 
 @pytest.mark.parametrize("n", [1, 77, 300])
 def test_mfma_schedule_numerics_on_cpu(spec, kernels, n):
-    from schedules.cuda.verify import run_on_cpu
+    from gpu_verify import run_on_cpu
     from schedules.rocm import rocm_rules
 
     with spec.tvm_target():
@@ -117,7 +117,7 @@ def test_mfma_schedule_numerics_on_cpu(spec, kernels, n):
 
 @pytest.mark.parametrize("b", [2, 8])
 def test_gemv_schedule_numerics_on_cpu(spec, kernels, b):
-    from schedules.cuda.verify import run_on_cpu
+    from gpu_verify import run_on_cpu
     from schedules.rocm import rocm_rules
 
     with spec.tvm_target():
@@ -177,7 +177,7 @@ def test_int8_mfma_k32_not_on_gfx90a():
 
 
 def test_int8_schedule_numerics_on_cpu(spec):
-    from schedules.cuda.verify import run_on_cpu
+    from gpu_verify import run_on_cpu
     from schedules.rocm import rocm_rules
 
     with spec.tvm_target():
@@ -191,7 +191,7 @@ def test_int8_schedule_numerics_on_cpu(spec):
 
 @pytest.mark.parametrize("arch", ["gfx90a", "gfx942"])
 def test_model_assembly_uses_mfma(arch, tmp_path):
-    from schedules.cuda.verify import lower_for_scheduling
+    from gpu_verify import lower_for_scheduling
     from tvm_llm.targets import get_target
 
     spec = get_target("rocm", arch=arch)

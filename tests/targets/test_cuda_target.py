@@ -72,7 +72,7 @@ def test_blob_rewrite_replaces_source_with_ptx():
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    from schedules.cuda.verify import lower_for_scheduling
+    from gpu_verify import lower_for_scheduling
     from tvm_llm.targets import get_target
 
     spec = get_target("cuda", arch="sm_90")

@@ -163,7 +163,7 @@ class Small:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    from schedules.cuda.verify import lower_for_scheduling
+    from gpu_verify import lower_for_scheduling
     from tvm_llm.targets import get_target
 
     spec = get_target("rocm", arch="gfx942")

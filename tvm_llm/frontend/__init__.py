@@ -15,7 +15,8 @@ from .relax_import import AttentionShape, ImportedModel  # noqa: F401
 def import_model(model, *, dtype: str, context_window: int, max_batch_size: int,
                  prefill_chunk_size: int, target, page_size: int = 16):
     """Trace `model` (a transformers causal LM in eval mode) into an ImportedModel whose
-    module has prefill, decode and create_paged_kv_cache (its kernels built for `page_size`)."""
+    module has prefill, decode and create_paged_kv_cache (its kernels built for `page_size`).
+    `target`: the TargetSpec (tvm_llm.targets), which picks the cache's attention kernels."""
     import torch
 
     from .attention import use_paged_attention

@@ -420,7 +420,7 @@ def plan_checkpoint(model_dir: str, target: str = "llvm", arch: str | None = Non
     imported = import_model(model, dtype=dtype,
                             context_window=context_window or min(max_pos or DEFAULT_CONTEXT, DEFAULT_CONTEXT),
                             max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
-                            target=spec.tvm_target())
+                            target=spec)
     del model
     mod = run_pipeline(imported.mod, spec, quantization=scheme,
                        checkpoint_names=imported.relax_names)[0]

@@ -39,7 +39,8 @@ def phase_passes(target_spec, disabled: frozenset = frozenset(), tuning_log: str
                            relax.transform.EliminateCommonSubexpr(),
                            relax.transform.DeadCodeElimination(entry)],
         "fusion": [UnflattenLinear(), MergeParallelLinear(), FuseRMSNorm()]
-                  + _quantize_passes(quantization, checkpoint_names, quant_report)
+                  + _quantize_passes(quantization, checkpoint_names, quant_report,
+                                     target_spec)
                   + list(target_spec.graph_passes())
                   + [relax.transform.FuseTransposeMatmul()],
         "folding": [relax.transform.FoldConstant(), LiftWeightTransforms(),
@@ -57,12 +58,12 @@ def phase_passes(target_spec, disabled: frozenset = frozenset(), tuning_log: str
             for name in PHASES]
 
 
-def _quantize_passes(quantization, checkpoint_names, report) -> list:
+def _quantize_passes(quantization, checkpoint_names, report, target_spec) -> list:
     if quantization is None:
         return []
     from .quantize_linear import QuantizeLinear
 
-    return [QuantizeLinear(quantization, checkpoint_names, report)]
+    return [QuantizeLinear(quantization, checkpoint_names, report, target_spec)]
 
 
 def _tuning_passes(target_spec, tuning_log, report) -> list:

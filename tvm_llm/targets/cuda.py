@@ -51,7 +51,7 @@ class CUDATarget(TargetSpec):
         super().__init__(arch=arch, **options)
         install_compile_callback(arch)
 
-    def tvm_target(self):
+    def make_tvm_target(self):
         import tvm
 
         return tvm.target.Target({
@@ -67,10 +67,10 @@ class CUDATarget(TargetSpec):
     def schedule_passes(self) -> list:
         from schedules.cuda import cuda_schedule_passes
 
-        return cuda_schedule_passes(self)
+        return cuda_schedule_passes()
 
     def tir_pipeline(self):
-        from schedules.cuda import tensor_core_tir_pipeline
+        from schedules.gpu import tensor_core_tir_pipeline
 
         return tensor_core_tir_pipeline()
 

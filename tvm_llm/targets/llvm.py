@@ -3,6 +3,7 @@ name, e.g. ``--arch sapphirerapids``: code for that CPU, built here, run there) 
 triple (aarch64, optionally ``aarch64:neoverse-v1``)."""
 from __future__ import annotations
 
+import functools
 import os
 
 from . import register_target
@@ -53,34 +54,32 @@ def parse_arch(arch: str | None) -> tuple[str, str | None]:
                     "skylake-avx512, haswell, ...) or ARCH:CPU (aarch64:neoverse-v1)")
 
 
-def _has_feature(feature: str, target) -> bool:
-    import tvm
-
-    try:
-        return bool(tvm.target.codegen.llvm_cpu_has_features(feature, target))
-    except Exception:  # pylint: disable=broad-except
-        return False
-
-
 def llvm_hw_key(target) -> str:
     """The tuning-log key of an llvm tvm Target: cpu-<arch>-<LLVM CPU name>-<widest SIMD>, e.g.
     cpu-x86_64-znver4-avx512, cpu-x86_64-sapphirerapids-avx512, cpu-aarch64-generic-neon.
     The CPU model is part of it because two CPUs with the same ISA differ in what a good
     schedule is (znver4 runs AVX-512 as 2x256-bit, sapphirerapids has two 512-bit FMA ports)."""
+    from schedules.cpu.common import vector_isa
+
     triple = str(target.attrs.get("mtriple", "") or "")
     arch = triple.split("-")[0] if triple else os.uname().machine
     if arch == "arm64":
         arch = "aarch64"
     cpu = str(target.attrs.get("mcpu", "") or "") or "generic"
-    if arch == "aarch64":
-        isa = "neon"
-    else:
-        isa = "sse"
-        for name, feat in (("avx512", "avx512f"), ("avx2", "avx2")):
-            if _has_feature(feat, target):
-                isa = name
-                break
-    return f"cpu-{arch}-{cpu}-{isa}"
+    isa = "neon" if arch == "aarch64" else vector_isa(target)
+    return f"cpu-{arch}-{cpu}-{'sse' if isa == 'generic' else isa}"
+
+
+@functools.lru_cache(maxsize=None)
+def _int8_act_kernel(fmt: str, K: int, N: int, out_dtype: str):
+    """The int8-activation kernel of one (format, shape), made once per process: it is written
+    in TVMScript, and parsing it took ~3 s per linear layer (most of a q4 build's passes),
+    while a model has only a few distinct linear shapes. PrimFuncs are immutable: sharing is safe."""
+    from schedules.cpu.int8_act_matmul import int8_act_matmul_func
+
+    from ..quantization.formats import get_format
+
+    return int8_act_matmul_func(get_format(fmt), K, N, out_dtype)
 
 
 @register_target("llvm")
@@ -94,7 +93,7 @@ class LLVMTarget(TargetSpec):
         super().__init__(arch=arch, **options)
         self.isa_arch, self.cpu = parse_arch(arch)
 
-    def tvm_target(self):
+    def make_tvm_target(self):
         import tvm
 
         if self.isa_arch == "aarch64" and os.uname().machine != "aarch64":
@@ -108,24 +107,41 @@ class LLVMTarget(TargetSpec):
                                   "num-cores": default_num_threads()})
 
     def vector_isa(self) -> str:
-        """The widest SIMD the target has: avx512, avx2, neon or sse."""
-        import tvm
+        """The widest SIMD the target has: avx512, avx2, neon or sse (the rules' probe,
+        schedules/cpu/common.py)."""
+        from schedules.cpu.common import vector_isa
 
-        t = self.tvm_target()
-        if "aarch64" in str(t.attrs.get("mtriple", "")):
-            return "neon"
-        for isa, feat in (("avx512", "avx512f"), ("avx2", "avx2")):
-            if tvm.target.codegen.llvm_cpu_has_features(feat, t):
-                return isa
-        return "sse"
+        isa = vector_isa(self.tvm_target())
+        return "sse" if isa == "generic" else isa
 
     def supports_int8_dot(self) -> bool:
         """AVX-512 VNNI (vpdpbusd), which the int8-activation kernels (schedules/cpu/int8_act_matmul.py) use."""
-        import tvm
+        from schedules.cpu.common import has_feature, target_arch
 
         t = self.tvm_target()
-        return "aarch64" not in str(t.attrs.get("mtriple", "")) and bool(
-            tvm.target.codegen.llvm_cpu_has_features("avx512vnni", t))
+        return target_arch(t) == "x86_64" and has_feature("avx512vnni", t)
+
+    def quantized_matmul_kernel(self, fmt: str, K: int, N: int, out_dtype: str):
+        """The int8-activation kernel (schedules/cpu/int8_act_matmul.py), one per shape."""
+        return _int8_act_kernel(fmt, K, N, out_dtype)
+
+    def cache_kernels(self, kv_mod, attn, dtype: str, page_size: int) -> dict:
+        """Our CPU attention kernels for any page size (TVM's are scalar and serial), see
+        targets/attention.py."""
+        from .attention import cpu_cache_kernels
+
+        return cpu_cache_kernels(kv_mod, attn, dtype, page_size)
+
+    def rule_grid(self, mod, only: str | None = None) -> list:
+        from schedules.cpu.tile_grid import grid_schedules
+
+        return grid_schedules(mod, self.tvm_target(), only)
+
+    def tile_table_name(self) -> str:
+        """The row of schedules/cpu/microarch.py the rules use for this CPU."""
+        from schedules.cpu.microarch import tile_row
+
+        return tile_row(self.tvm_target()).name
 
     def hw_key(self) -> str:
         return llvm_hw_key(self.tvm_target())
@@ -152,7 +168,7 @@ class LLVMTarget(TargetSpec):
                                            SplitLayoutRewritePreprocAnyBody)
 
         register_fast_exp()  # vector exp for SiLU and softmax instead of one expf per lane
-        return [MarkWeightsLayoutFree(), cpu_schedule_pass(self),
+        return [MarkWeightsLayoutFree(), cpu_schedule_pass(),
                 SplitLayoutRewritePreprocAnyBody(), DedupPrimFuncs(), LiftPackedWeights()]
 
     def export_library(self, executable, path: str, workspace_dir: str | None = None) -> None:

@@ -48,7 +48,7 @@ class ROCmTarget(TargetSpec):
         super().__init__(arch=arch, **options)
         install_rocm_toolchain()
 
-    def tvm_target(self):
+    def make_tvm_target(self):
         import tvm
 
         return tvm.target.Target({
@@ -63,10 +63,10 @@ class ROCmTarget(TargetSpec):
     def schedule_passes(self) -> list:
         from schedules.rocm import rocm_schedule_passes
 
-        return rocm_schedule_passes(self)
+        return rocm_schedule_passes()
 
     def tir_pipeline(self):
-        from schedules.cuda import tensor_core_tir_pipeline
+        from schedules.gpu import tensor_core_tir_pipeline
 
         return tensor_core_tir_pipeline()
 

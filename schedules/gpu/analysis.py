@@ -1,4 +1,4 @@
-"""Kernel analysis shared by the GPU rules (CUDA here, ROCm imports it too).
+"""Kernel analysis shared by the GPU rules (schedules/cuda and schedules/rocm).
 
 - `find_matmul`: the single reduction block of a fused kernel if it is a matmul
   C[S, I, J] += A[S, I, K] * B[S, J, K] (dlight's normalisation; B is W (N, K) for x @ W^T).

@@ -113,16 +113,8 @@ class GEMM(ScheduleRule):
                 return None
         try:
             return schedule_outer_product(sch, pat, target, pack, self.tile)
-        except Exception:  # pylint: disable=broad-except
-            return None
-
-
-def _m_flat_index(pat: common.MatmulPattern, idx):
-    """Row-major flattening of the M indices of C."""
-    flat = None
-    for pos, ext in zip(idx, pat.m_extents):
-        flat = pos if flat is None else flat * ext + pos
-    return flat
+        except Exception as err:  # pylint: disable=broad-except
+            return common.rule_failed(self, func, err)
 
 
 def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, target: Target,
@@ -184,7 +176,7 @@ def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, targe
     # 4. Keep the tile at Mr x PN: the rows of one tile map onto the same Mr slots. Done last,
     #    as the mapping is not injective over the whole C (tiles reuse the buffer in turn).
     def tile_map(*idx):
-        return (_m_flat_index(pat, idx[:-1]) % mr, idx[-1] % pn)
+        return (common.m_flat_index(pat, idx[:-1]) % mr, idx[-1] % pn)
 
     sch.transform_layout(main, ("write", 0), tile_map, assume_injective_transform=True)
     return sch

@@ -31,6 +31,7 @@ def phase_passes(target_spec, disabled: frozenset = frozenset(), tuning_log: str
     from .fold_weights import LiftWeightTransforms
     from .fuse_rms_norm import FuseRMSNorm
     from .merge_parallel_linear import MergeParallelLinear
+    from .quiet_legalize import QuietLegalizeOps
     from .unflatten_linear import UnflattenLinear
 
     entry = ["prefill", "decode", "hidden_states", "create_paged_kv_cache"]
@@ -46,7 +47,7 @@ def phase_passes(target_spec, disabled: frozenset = frozenset(), tuning_log: str
         "folding": [relax.transform.FoldConstant(), LiftWeightTransforms(),
                     relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(entry + ["transform_params"])],
         "lowering": [relax.backend.DispatchSampling(), relax.backend.DispatchSortScan(),
-                     relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+                     QuietLegalizeOps(), relax.transform.AnnotateTIROpPattern(),
                      relax.transform.FoldConstant(), relax.transform.FuseOps(),
                      relax.transform.FuseTIR()],
         "scheduling": _tuning_passes(target_spec, tuning_log, tuning_report)

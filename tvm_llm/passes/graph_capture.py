@@ -57,23 +57,3 @@ def captured_region(expr) -> str | None:
     if not isinstance(callee, relax.ExternFunc) or str(callee.global_symbol) != RUN_OR_CAPTURE:
         return None
     return expr.args[1].fields[0].name_hint
-
-
-def capture_summary(mod, func_name: str) -> dict:
-    """What one call of `func_name` in a finalized module runs as graphs: the captured regions
-    it replays, the kernels inside them, and the kernel launches left outside (reading a runtime
-    input such as the token ids, or calling the paged-KV attention)."""
-    from .pipeline import kernels_per_call
-
-    regions = []
-
-    def visit(expr):
-        name = captured_region(expr)
-        if name is not None:
-            regions.append(name)
-
-    if func_name in [gv.name_hint for gv in mod.get_global_vars()]:
-        relax.analysis.post_order_visit(mod[func_name], visit)
-    return {"regions": len(regions),
-            "captured_kernels": sum(kernels_per_call(mod, r) for r in regions),
-            "uncaptured_kernels": kernels_per_call(mod, func_name, inside_graphs=False)}

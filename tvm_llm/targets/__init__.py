@@ -6,17 +6,9 @@ fusion, the default dtype, and how to link and export the compiled module.
 """
 from __future__ import annotations
 
-from .base import TargetSpec
+from .base import TargetSpec  # noqa: F401
+from .registry import _REGISTRY, register_target  # noqa: F401
 from ..errors import UserError
-
-_REGISTRY = {}
-
-
-def register_target(name):
-    def deco(cls):
-        _REGISTRY[name] = cls
-        return cls
-    return deco
 
 
 def _load_all():

@@ -19,7 +19,7 @@ import os
 import re
 import struct
 
-from . import register_target
+from .registry import register_target
 from .gpu import GPUTargetSpec, host_target
 from ..errors import UserError
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import os
 
-from . import register_target
+from .registry import register_target
 from .base import TargetSpec
 from ..errors import UserError
 
@@ -163,13 +163,10 @@ class LLVMTarget(TargetSpec):
         transform_params that the build runs once (schedules/cpu/prepack.py)."""
         from schedules.cpu import cpu_schedule_pass
         from schedules.cpu.fast_math import register_fast_exp
-        from schedules.cpu.prepack import (DedupPrimFuncs, LiftPackedWeights,
-                                           MarkWeightsLayoutFree,
-                                           SplitLayoutRewritePreprocAnyBody)
+        from schedules.cpu.prepack import MarkWeightsLayoutFree, prepack_passes
 
         register_fast_exp()  # vector exp for SiLU and softmax instead of one expf per lane
-        return [MarkWeightsLayoutFree(), cpu_schedule_pass(),
-                SplitLayoutRewritePreprocAnyBody(), DedupPrimFuncs(), LiftPackedWeights()]
+        return [MarkWeightsLayoutFree(), cpu_schedule_pass(), *prepack_passes()]
 
     def export_library(self, executable, path: str, workspace_dir: str | None = None) -> None:
         if self.isa_arch != os.uname().machine:

@@ -26,7 +26,7 @@ import math
 import os
 import tempfile
 
-from . import register_target
+from .registry import register_target
 from .gpu import GPUTargetSpec, host_target
 
 ROCM_ARCHS = {"gfx90a": "CDNA2 (MI200)", "gfx942": "CDNA3 (MI300)"}

@@ -80,7 +80,7 @@ def apply_weight_transform(transform_mod, weights: list) -> list:
         return weights
     import numpy as np
 
-    from .quiet_legalize import run_filtering_stderr
+    from .known_warnings import run_filtering_stderr
 
     target = tvm.target.Target({"kind": "llvm"})
     with target:  # its LegalizeOps lowers takes too: without TVM's "Fast mode" lines

@@ -33,7 +33,6 @@ def phase_passes(target_spec, disabled: frozenset = frozenset(), tuning_log: str
     from .fold_weights import LiftWeightTransforms
     from .fuse_rms_norm import FuseRMSNorm
     from .merge_parallel_linear import MergeParallelLinear
-    from .quiet_legalize import QuietLegalizeOps
     from .unflatten_linear import UnflattenLinear
 
     entry = ["prefill", "decode", "hidden_states", "create_paged_kv_cache"]
@@ -49,7 +48,7 @@ def phase_passes(target_spec, disabled: frozenset = frozenset(), tuning_log: str
         "folding": [relax.transform.FoldConstant(), LiftWeightTransforms(),
                     relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(entry + ["transform_params"])],
         "lowering": [relax.backend.DispatchSampling(), relax.backend.DispatchSortScan(),
-                     QuietLegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+                     relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
                      relax.transform.FoldConstant(), relax.transform.FuseOps(),
                      relax.transform.FuseTIR()],
         "scheduling": _tuning_passes(target_spec, tuning_log, tuning_report)
@@ -105,6 +104,7 @@ def run_pipeline(mod, target_spec, dump_dir: str | None = None,
     import tvm
 
     from .fold_weights import split_weight_transform
+    from .known_warnings import run_filtering_stderr
 
     report = []
     weight_transforms = []
@@ -120,7 +120,7 @@ def run_pipeline(mod, target_spec, dump_dir: str | None = None,
             pass_seconds = {}
             for p in passes:  # one at a time, so the report can say what each pass cost
                 t_pass = time.perf_counter()
-                mod = p(mod)
+                mod = run_filtering_stderr(p, mod)  # less TVM's known harmless warnings
                 key = p.info.name
                 pass_seconds[key] = round(pass_seconds.get(key, 0) + time.perf_counter() - t_pass, 3)
             if name in ("folding", "scheduling"):

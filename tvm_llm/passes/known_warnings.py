@@ -1,12 +1,13 @@
-"""LegalizeOps without TVM's "Fast mode segfaults" warning.
+"""The build's passes without TVM's "Fast mode segfaults" warning.
 
 TVM's `take` lowering (topi::take, mode "fast", the mode every take of an imported model has)
 prints "Fast mode segfaults when there are out-of-bounds indices" from C++ for each take it
 lowers: ten lines in a build's log for a warning that does not apply to us (the indices are
 token ids the engine checks against the vocabulary, positions below the context window, and
-expert ids from a top-k). It is a C++ log line, out of reach of Python's warning filters, so
-this pass runs LegalizeOps with the process's stderr captured and writes back every line but
-that one: other warnings still reach the user.
+expert ids from a top-k). It is a C++ log line, out of reach of Python's warning filters, and
+several passes lower takes (LegalizeOps, FoldConstant), so the pipeline runs each pass with
+the process's stderr captured and writes back every line but that one: other warnings still
+reach the user.
 """
 from __future__ import annotations
 
@@ -41,16 +42,3 @@ def run_filtering_stderr(fn, *args):
             if rest:
                 sys.stderr.write(rest)
                 sys.stderr.flush()
-
-
-def QuietLegalizeOps():
-    """relax.transform.LegalizeOps, less the known harmless C++ warnings in the log."""
-    import tvm
-    from tvm import relax
-
-    legalize = relax.transform.LegalizeOps()
-
-    def transform(mod, _ctx):
-        return run_filtering_stderr(legalize, mod)
-
-    return tvm.transform.module_pass(transform, opt_level=0, name="LegalizeOps")

@@ -77,6 +77,19 @@ def find_matmul(sch: s_tir.Schedule) -> Matmul | None:
                   str(stmt.body.buffer.dtype), k_innermost(a) and k_innermost(b))
 
 
+def normalize_matmul(sch: s_tir.Schedule, main) -> None:
+    """Bring the matmul block `main` to C[S, I, J] += A[S, I, K] * B[S, J, K] (dlight's
+    reindex: each operand through a reindex block, the block's iterators fused to S, I, J, K)."""
+    reindex_a = sch.reindex(main, ("read", 0))
+    reindex_b = sch.reindex(main, ("read", 1))
+    reindex_c = sch.reindex(main, ("write", 0))
+    matmul_map, a_map, b_map, c_map = get_index_map(sch.get(main))
+    sch.transform_layout(reindex_a, ("write", 0), a_map)
+    sch.transform_layout(reindex_b, ("write", 0), b_map)
+    sch.transform_layout(reindex_c, ("read", 0), c_map)
+    sch.transform_block_layout(main, matmul_map)
+
+
 def widen_accumulator(func: tirx.PrimFunc, block_name: str, acc_dtype: str = "float32"):
     """`func` with the matmul block accumulating in `acc_dtype`; readers of its result get a
     cast back to the original dtype. Returns (func, whether anything changed)."""

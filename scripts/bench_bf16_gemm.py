@@ -38,6 +38,7 @@ if ARGS.cpu_time and ARGS.threads != 1:
     raise SystemExit("--cpu-time needs --threads 1 (other threads' CPU time is not counted)")
 os.environ["TVM_NUM_THREADS"] = str(ARGS.threads)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
@@ -45,7 +46,8 @@ import tvm  # noqa: E402
 from tvm import relax  # noqa: E402
 from tvm.s_tir import dlight as dl  # noqa: E402
 
-from schedules.cpu import cpu_rules, workloads  # noqa: E402
+import cpu_workloads as workloads  # noqa: E402  (tests/cpu_workloads.py)
+from schedules.cpu import cpu_rules  # noqa: E402
 from schedules.cpu.gemm import GEMM  # noqa: E402
 from tvm_llm.passes.accumulate_half_matmul import AccumulateHalfMatmulInFloat32  # noqa: E402
 

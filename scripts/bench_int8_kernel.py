@@ -36,13 +36,15 @@ def _parse():
 ARGS = _parse()
 os.environ["TVM_NUM_THREADS"] = str(ARGS.threads)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import numpy as np  # noqa: E402
 import tvm  # noqa: E402
 
-from schedules.cpu import workloads  # noqa: E402
+import cpu_workloads as workloads  # noqa: E402  (tests/cpu_workloads.py)
 from tvm_llm.quantization.formats import fake_quantize, fake_quantize_activation  # noqa: E402
 from tvm_llm.quantization.scheme import stored_np  # noqa: E402
+from tvm_llm.targets import get_target  # noqa: E402
 
 SHAPES = {"qkv": (768, 1280), "o": (768, 768), "gate_up": (768, 4096), "down": (2048, 768),
           "lm_head": (768, 32000)}  # name: (K, N) of llama-110m
@@ -64,7 +66,8 @@ def compiled(fmt: str, K: int, N: int):
           for i, (shape, dtype) in enumerate(stored_shapes(N, K, fmt, "vnni"))]
     with bb.function("main", [x] + ws):
         with bb.dataflow():
-            y = bb.emit_output(emit_quantized_matmul(bb, x, ws, fmt, "vnni", K, N, "float32"))
+            y = bb.emit_output(emit_quantized_matmul(bb, x, ws, fmt, "vnni", K, N, "float32",
+                                                     get_target("llvm")))
         bb.emit_func_output(y)
     target = workloads.host_target(ARGS.threads)
     with target, tvm.transform.PassContext(opt_level=3):

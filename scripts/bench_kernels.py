@@ -51,13 +51,15 @@ os.environ["TVM_NUM_THREADS"] = str(ARGS.threads)
 for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[var] = str(ARGS.threads)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import tvm  # noqa: E402
 from tvm import relax  # noqa: E402
 
-from schedules.cpu import common, cpu_schedule_pass, workloads  # noqa: E402
+import cpu_workloads as workloads  # noqa: E402  (tests/cpu_workloads.py)
+from schedules.cpu import common, cpu_schedule_pass  # noqa: E402
 
 torch.set_num_threads(ARGS.threads)
 
@@ -86,7 +88,7 @@ def build(specs, mode):
         if mode == "packed":
             mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
         if mode in ("packed", "rowmaj"):
-            mod = cpu_schedule_pass(None)(mod)
+            mod = cpu_schedule_pass()(mod)
             bad = [k for k, f in workloads.prim_funcs(mod).items()
                    if not f.attrs.get("tirx.is_scheduled", False)]
             assert not bad, f"unscheduled kernels: {bad}"

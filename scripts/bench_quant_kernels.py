@@ -37,17 +37,20 @@ os.environ["TVM_NUM_THREADS"] = str(ARGS.threads)
 for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[var] = str(ARGS.threads)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import tvm  # noqa: E402
 from tvm import relax  # noqa: E402
 
-from schedules.cpu import cpu_schedule_pass, workloads  # noqa: E402
+import cpu_workloads as workloads  # noqa: E402  (tests/cpu_workloads.py)
+from schedules.cpu import cpu_schedule_pass  # noqa: E402
 from tvm_llm.passes.quantize_linear import emit_quantized_matmul  # noqa: E402
 from tvm_llm.quantization import kernels  # noqa: E402
 from tvm_llm.quantization.formats import FORMATS, fake_quantize_activation  # noqa: E402
 from tvm_llm.quantization.scheme import stored_np  # noqa: E402
+from tvm_llm.targets import get_target  # noqa: E402
 
 SHAPES = {  # name: (K, N)
     "110m": {"qkv": (768, 2304), "o": (768, 768), "gate_up": (768, 4096), "down": (2048, 768)},
@@ -78,7 +81,8 @@ def kernel_module(K: int, N: int, scheme):
             if scheme is None:
                 y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(ws[0])))
             else:
-                y = bb.emit(emit_quantized_matmul(bb, x, ws, scheme[0], scheme[1], K, N, "float32"))
+                y = bb.emit(emit_quantized_matmul(bb, x, ws, scheme[0], scheme[1], K, N,
+                                                  "float32", get_target("llvm")))
             out = bb.emit_output(y)
         bb.emit_func_output(out)
     mod = bb.get()

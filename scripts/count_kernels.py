@@ -116,7 +116,7 @@ def count_ours(args, spec):
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     imported = import_model(model, dtype="float32", context_window=512, max_batch_size=8,
-                            prefill_chunk_size=128, target=spec.tvm_target())
+                            prefill_chunk_size=128, target=spec)
     _, _, report = run_pipeline(imported.mod, spec)
     return report[-1]["decode_kernels"]
 

@@ -115,9 +115,10 @@ def _kernel_modules(arch: str, K: int, N: int, load: bool = True):
     from tvm.script import ir as I  # noqa: F401
     from tvm.script import relax as R  # noqa: F401
 
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from gpu_verify import lower_for_scheduling  # tests/gpu_verify.py
     from schedules.cuda import cuda_rules
-    from schedules.cuda.analysis import AnnotateSymbolicBounds
-    from schedules.cuda.verify import lower_for_scheduling
+    from schedules.gpu.analysis import AnnotateSymbolicBounds
     from tvm_llm.targets import get_target
 
     bb = relax.BlockBuilder()

@@ -125,7 +125,7 @@ def test_variant_attention_kernels_cross_compile(kind, arch):
     source = device.inspect_source("asm" if kind == "rocm" else "cuda")
     assert all(f"k{i}" in source for i in range(len(kernels)))  # every kernel in device code
     attn = AttentionShape(2, 4, 2, 16, 16, [0.25, 0.25], {0: (4, 50.0, None)})
-    mod = add_kv_cache_creation(tvm.IRModule(), attn, "float16", target)
+    mod = add_kv_cache_creation(tvm.IRModule(), attn, "float16", spec)
     decode = mod["batch_decode_paged_kv"]
     assert decode.attrs["global_symbol"] == "batch_decode_paged_kv"
     assert "sm_scale < T.float32(0.0)" in decode.script()  # ours: the layer code is looked up

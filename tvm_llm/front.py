@@ -132,7 +132,7 @@ def lower(checkpoint, config: BuildConfig, until: str = "finalize", *, log=print
     out.imported = import_model(model, dtype=dtype, context_window=context_window,
                                 max_batch_size=config.max_batch_size,
                                 prefill_chunk_size=config.prefill_chunk_size,
-                                target=spec.tvm_target(), page_size=config.page_size)
+                                target=spec, page_size=config.page_size)
     del model
     out.import_seconds = time.perf_counter() - t0
     out.mod = out.imported.mod

@@ -28,12 +28,11 @@ def cpu_rules(prepack="auto"):
             dl.cpu.GEMV(), dl.cpu.Reduction()]
 
 
-def cpu_schedule_pass(target_spec=None, prepack="auto"):
+def cpu_schedule_pass(prepack="auto"):
     """The TIR scheduling pass for a CPU target: our rules, then dlight's CPU fallbacks.
 
     Run it inside ``with target:`` (the rules read the target from the context or the
-    PrimFunc's "target" attribute). target_spec is accepted for the build's interface; the
-    rules derive everything from the tvm Target.
+    PrimFunc's "target" attribute: everything is derived from the tvm Target).
     """
     from tvm.s_tir import dlight as dl
 

@@ -6,11 +6,35 @@ is not used on x86: for a generic x86 triple it reports 512 bits even without AV
 """
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 
 import tvm
 from tvm import s_tir, tirx
 from tvm.target import Target
+
+# What a schedule primitive raises when it refuses (compute_inline of a block that cannot be
+# inlined, get_sblock of a name the kernel does not have): an expected "not this way".
+ScheduleError = s_tir.schedule.ScheduleError
+
+_log = logging.getLogger("tvm_llm.schedules")
+
+
+def rule_failed(rule, func, err: Exception) -> None:
+    """A rule that matched a kernel but failed to schedule it leaves the kernel to the next rule
+    (dlight's fallbacks): correct, but slower. With TVM_LLM_DEBUG=1 each such failure is
+    printed (rule, kernel, error), so a broken rule cannot hide behind the fallbacks; it is
+    logged at debug level otherwise. Returns None (what the rule returns)."""
+    name = rule if isinstance(rule, str) else type(rule).__name__
+    kernel = str(func.attrs.get("global_symbol", "?")) if getattr(func, "attrs", None) else "?"
+    first = (str(err).strip().splitlines() or [""])[-1][:200]
+    msg = f"[tvm-llm] rule {name} did not schedule {kernel}: {type(err).__name__}: {first}"
+    if os.environ.get("TVM_LLM_DEBUG") == "1":
+        print(msg, flush=True)
+    else:
+        _log.debug(msg)
+    return None
 
 TensorLoad = tvm.ir.expr.TensorLoad
 
@@ -28,10 +52,12 @@ def is_llvm_cpu(target: Target | None) -> bool:
     return target is not None and target.kind.name == "llvm"
 
 
-def _has(feature: str, target: Target) -> bool:
+def has_feature(feature: str, target: Target) -> bool:
+    """Whether LLVM says the target's CPU has `feature` (e.g. avx512f, avx512vnni); False for
+    a feature name LLVM does not know for the target's architecture."""
     try:
         return bool(tvm.target.codegen.llvm_cpu_has_features(feature, target))
-    except Exception:  # pylint: disable=broad-except
+    except (RuntimeError, ValueError):  # TVM's error for a target LLVM cannot describe
         return False
 
 
@@ -50,9 +76,9 @@ def vector_isa(target: Target) -> str:
     """avx512, avx2, sse, neon or generic."""
     arch = target_arch(target)
     if arch == "x86_64":
-        if _has("avx512f", target):
+        if has_feature("avx512f", target):
             return "avx512"
-        if _has("avx2", target):
+        if has_feature("avx2", target):
             return "avx2"
         return "sse"
     if arch in ("aarch64", "arm"):
@@ -70,7 +96,7 @@ def vector_bits(target: Target) -> int:
         return 128
     try:
         bits = int(tvm.target.codegen.llvm_get_vector_width(target))
-    except Exception:  # pylint: disable=broad-except
+    except (RuntimeError, ValueError):  # TVM's error for a target LLVM cannot describe
         bits = -1
     return bits if bits > 0 else 128
 
@@ -113,6 +139,14 @@ def decode_shaped(extents) -> bool:
         if a is None and b == 1:
             return True
     return False
+
+
+def m_flat_index(pat, idx):
+    """Row-major flattening of the M indices `idx` of a matmul's C (pattern `pat`)."""
+    flat = None
+    for pos, ext in zip(idx, pat.m_extents):
+        flat = pos if flat is None else flat * ext + pos
+    return flat
 
 
 def pow2_divisor(n: int, cap: int) -> int:
@@ -399,8 +433,8 @@ def prepare_matmul(func: tirx.PrimFunc, dtypes=("float32",), allow_computed_b: b
     try:
         sch = s_tir.Schedule(func)
         blocks = root_blocks(sch)
-    except Exception:  # pylint: disable=broad-except
-        return None
+    except Exception as err:  # pylint: disable=broad-except
+        return rule_failed("prepare_matmul", func, err)
     if not all_simple_blocks(sch, blocks):
         return None
     reductions = [b for b in blocks if is_reduction_block(sch, b)]
@@ -424,7 +458,7 @@ def prepare_matmul(func: tirx.PrimFunc, dtypes=("float32",), allow_computed_b: b
             try:
                 sch.compute_inline(p)
                 progress = True
-            except Exception:  # pylint: disable=broad-except
+            except ScheduleError:  # not inlinable: another producer may be
                 pass
         if not progress:
             return None
@@ -441,7 +475,7 @@ def prepare_matmul(func: tirx.PrimFunc, dtypes=("float32",), allow_computed_b: b
                 sch.compute_inline(b)
                 progress = True
                 break
-            except Exception:  # pylint: disable=broad-except
+            except ScheduleError:  # not inlinable: try the next block
                 continue
         if not progress:
             break

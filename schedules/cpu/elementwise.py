@@ -40,8 +40,8 @@ class Elementwise(ScheduleRule):
         try:
             sch = s_tir.Schedule(func)
             blocks = common.root_blocks(sch)
-        except Exception:  # pylint: disable=broad-except
-            return None
+        except Exception as err:  # pylint: disable=broad-except
+            return common.rule_failed(self, func, err)
         if not common.all_simple_blocks(sch, blocks):
             return None
         if any(not common.is_spatial_block(sch, b) for b in blocks):
@@ -51,8 +51,8 @@ class Elementwise(ScheduleRule):
             lanes = common.vector_lanes(target)
             for name in [common.block_name(sch, b) for b in common.root_blocks(sch)]:
                 schedule_injective_block(sch, sch.get_sblock(name), lanes)
-        except Exception:  # pylint: disable=broad-except
-            return None
+        except Exception as err:  # pylint: disable=broad-except
+            return common.rule_failed(self, func, err)
         return sch
 
 

@@ -73,7 +73,7 @@ def uses_bf16_dot(target: Target, pat: common.MatmulPattern, pack: bool) -> bool
     to float32 in registers and summed with float32 FMAs."""
     return (pack and pat.input_dtype == "bfloat16" and pat.dtype == "float32" and pat.K % 2 == 0
             and common.vector_isa(target) == "avx512" and common.vector_lanes(target) == 16
-            and common._has(bf16_dot.FEATURE, target))  # pylint: disable=protected-access
+            and common.has_feature(bf16_dot.FEATURE, target))
 
 
 def gemm_tile(target: Target, N: int, K: int, dtype: str = "float32"):
@@ -128,24 +128,17 @@ class GEMM(ScheduleRule):
                 return None
         try:
             return schedule_outer_product(sch, pat, target, pack, self.tile, self.bf16_dot)
-        except Exception:  # pylint: disable=broad-except
+        except Exception as err:  # pylint: disable=broad-except
             if not (self.bf16_dot and uses_bf16_dot(target, pat, pack)):
-                return None
+                return common.rule_failed(self, func, err)
+            common.rule_failed(self, func, err)  # logged; the widen-and-FMA kernel follows
         # vdpbf16ps could not be tensorized here (an operand that is not a plain buffer
         # region): the same kernel on widen-and-FMA
         sch, pat = common.prepare_matmul(func)
         try:
             return schedule_outer_product(sch, pat, target, pack, self.tile, False)
-        except Exception:  # pylint: disable=broad-except
-            return None
-
-
-def _m_flat_index(pat: common.MatmulPattern, idx):
-    """Row-major flattening of the M indices of C."""
-    flat = None
-    for pos, ext in zip(idx, pat.m_extents):
-        flat = pos if flat is None else flat * ext + pos
-    return flat
+        except Exception as err:  # pylint: disable=broad-except
+            return common.rule_failed(self, func, err)
 
 
 def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, target: Target,
@@ -216,7 +209,7 @@ def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, targe
     # 4. Keep the tile at Mr x PN: the rows of one tile map onto the same Mr slots. Done last,
     #    as the mapping is not injective over the whole C (tiles reuse the buffer in turn).
     def tile_map(*idx):
-        return (_m_flat_index(pat, idx[:-1]) % mr, idx[-1] % pn)
+        return (common.m_flat_index(pat, idx[:-1]) % mr, idx[-1] % pn)
 
     sch.transform_layout(main, ("write", 0), tile_map, assume_injective_transform=True)
 

@@ -81,15 +81,8 @@ class GEMV(ScheduleRule):
             return None
         try:
             return schedule_dot_product(sch, pat, target, self.tile)
-        except Exception:  # pylint: disable=broad-except
-            return None
-
-
-def _m_flat_index(pat: common.MatmulPattern, idx):
-    flat = None
-    for pos, ext in zip(idx, pat.m_extents):
-        flat = pos if flat is None else flat * ext + pos
-    return flat
+        except Exception as err:  # pylint: disable=broad-except
+            return common.rule_failed(self, func, err)
 
 
 def schedule_dot_product(sch: s_tir.Schedule, pat: common.MatmulPattern, target: Target,
@@ -140,12 +133,12 @@ def schedule_dot_product(sch: s_tir.Schedule, pat: common.MatmulPattern, target:
 
     # Register tiles: partial sums [Mr, Nr, L]; the epilogue's input [Mr, Nr].
     def rf_map(*idx):
-        return (_m_flat_index(pat, idx[1:-1]) % mr, idx[-1] % nr, idx[0])
+        return (common.m_flat_index(pat, idx[1:-1]) % mr, idx[-1] % nr, idx[0])
 
     sch.transform_layout(rf, ("write", 0), rf_map, assume_injective_transform=True)
     if epi is not None:
         def c_map(*idx):
-            return (_m_flat_index(pat, idx[:-1]) % mr, idx[-1] % nr)
+            return (common.m_flat_index(pat, idx[:-1]) % mr, idx[-1] % nr)
 
         sch.transform_layout(main, ("write", 0), c_map, assume_injective_transform=True)
     return sch

@@ -50,16 +50,16 @@ class MoEGemm(ScheduleRule):
         sch = s_tir.Schedule(func)
         try:
             block = sch.get_sblock(MOE_GEMM_DEQUANTIZE_BLOCK)
-        except Exception:  # pylint: disable=broad-except
+        except common.ScheduleError:  # no such block: not the quantized expert GEMM
             block = None
         if block is not None:
             try:
                 return schedule_moe_gemm_dequantize(sch, block, target)
-            except Exception:  # pylint: disable=broad-except
-                return None
+            except Exception as err:  # pylint: disable=broad-except
+                return common.rule_failed(self, func, err)
         try:
             block = sch.get_sblock(MOE_GEMM_BLOCK)
-        except Exception:  # pylint: disable=broad-except
+        except common.ScheduleError:  # no such block: not an expert GEMM
             return None
         pack = WEIGHT_PARAM in common.layout_free_indices(func)
         return schedule_moe_gemm(sch, block, target, pack)

@@ -5,19 +5,19 @@ starts with a "layout rewrite" block (annotated ``meta_schedule.layout_rewrite_p
 copies W into the packed buffer. Run per call, that copy would triple decode's memory traffic,
 so the build must move it to build time (tvm_llm/targets/llvm.py runs these steps):
 
-1. before the scheduling pass (after FuseTIR):
-   ``relax.transform.AttachAttrLayoutFreeBuffers()`` — marks the PrimFunc parameters that are
-   model weights (Relax function parameters past ``num_input``), attribute
-   ``layout_free_buffers``. Without it the rules never repack (decode then uses the GEMV rule
-   over the row-major weight; prefill too, slower than packed);
+1. before the scheduling pass (after FuseTIR): :class:`MarkWeightsLayoutFree` marks the
+   PrimFunc parameters that are model weights (Relax function parameters past
+   ``num_input``), attribute ``layout_free_buffers`` (TVM's AttachAttrLayoutFreeBuffers, in
+   place and for our rules' kernels only). Without it the rules never repack (decode then
+   uses the GEMV rule over the row-major weight; prefill too, slower than packed);
 2. the scheduling pass (``cpu_schedule_pass``);
-3. after it, :func:`prepack_passes`: ``SplitLayoutRewritePreproc`` (on the kernels with a
-   layout-rewrite block only, see :class:`SplitLayoutRewritePreprocAnyBody`; splits each kernel into
-   ``<kernel>_weight_prepack`` + ``<kernel>_prepacked`` and calls both from Relax),
-   :class:`DedupPrimFuncs` (prefill's and decode's prepack functions of the same weight are
-   identical: give them one GlobalVar), then
-   ``LiftTransformParams(shared_transform=["prefill", "decode"])`` — the packing becomes part
-   of one ``transform_params`` and the model functions take the packed weights;
+3. after it, :func:`prepack_passes`: :class:`SplitLayoutRewritePreprocAnyBody` (TVM's
+   SplitLayoutRewritePreproc on the kernels with a layout-rewrite block only; splits each
+   kernel into ``<kernel>_weight_prepack`` + ``<kernel>_prepacked`` and calls both from
+   Relax), :class:`DedupPrimFuncs` (prefill's and decode's prepack functions of the same
+   weight are identical: give them one GlobalVar), then :func:`LiftPackedWeights`
+   (LiftTransformParams shared by the model functions) — the packing becomes part of one
+   ``transform_params`` and the model functions take the packed weights;
 4. run that ``transform_params`` once at build time (after the one from the folding phase,
    i.e. on its outputs) and save its outputs as the model's weights. The original row-major
    weight is then dead: packing does not double the weights' memory.
@@ -31,14 +31,11 @@ import tvm
 from tvm import relax, tirx
 
 
-def prepack_passes(model_functions=("prefill", "decode")) -> list:
+def prepack_passes() -> list:
     """Relax passes to run right after the scheduling pass so the packing is lifted out of the
-    model functions into a shared ``transform_params``."""
-    return [
-        SplitLayoutRewritePreprocAnyBody(),
-        DedupPrimFuncs(),
-        relax.transform.LiftTransformParams(shared_transform=list(model_functions)),
-    ]
+    model functions into a shared ``transform_params`` (what CPU builds run)."""
+    return [SplitLayoutRewritePreprocAnyBody(), DedupPrimFuncs(), LiftPackedWeights(),
+            DropSplitOriginals()]
 
 
 @tvm.transform.module_pass(opt_level=0, name="AttachAttrLayoutFreeBuffers")

@@ -52,7 +52,7 @@ def inline_spatial_producers(sch: s_tir.Schedule, keep_expensive_multi_use: bool
                 sch.compute_inline(blk)
                 progress = True
                 break
-            except Exception:  # pylint: disable=broad-except
+            except common.ScheduleError:  # not inlinable
                 continue
         if not progress:
             break
@@ -71,7 +71,7 @@ def inline_spatial_producers(sch: s_tir.Schedule, keep_expensive_multi_use: bool
                 sch.reverse_compute_inline(blk)
                 progress = True
                 break
-            except Exception:  # pylint: disable=broad-except
+            except common.ScheduleError:  # not inlinable
                 continue
         if not progress:
             break
@@ -101,8 +101,8 @@ class RowReduction(ScheduleRule):
             return None
         try:
             return self._apply(func, target)
-        except Exception:  # pylint: disable=broad-except
-            return None
+        except Exception as err:  # pylint: disable=broad-except
+            return common.rule_failed(self, func, err)
 
     def _apply(self, func, target):
         sch = s_tir.Schedule(func)
@@ -179,7 +179,7 @@ class RowReduction(ScheduleRule):
         for name in reversed(order):
             try:
                 sch.compute_at(sch.get_sblock(name), row, preserve_unit_loops=True)
-            except Exception:  # pylint: disable=broad-except
+            except common.ScheduleError:
                 if not common.is_spatial_block(sch, sch.get_sblock(name)):
                     raise
                 at_root.append(name)

@@ -1,14 +1,12 @@
 """CUDA schedule rules (sm_80+): tensor-core GEMM (ldmatrix + mma.sync) and decode GEMV.
 
 `cuda_rules()` are tried in order before dlight's generic GPU rules; `cuda_schedule_passes`
-is what CUDATarget.schedule_passes returns. The GEMM machinery (`tensor_core.py`), the
-kernel analysis (`analysis.py`) and the GEMV rule (`gemv.py`) are target-neutral; the ROCm
-rules reuse them with MFMA parameters.
+is what CUDATarget.schedule_passes returns. The GEMM machinery, the kernel analysis and the
+GEMV rule are target-neutral (schedules/gpu/); here are the mma.sync intrinsics and parameters.
 """
 from __future__ import annotations
 
-from .analysis import AnnotateSymbolicBounds
-from .tensor_core import TensorCoreConfig, TensorCoreMatmul
+from schedules.gpu.tensor_core import TensorCoreConfig, TensorCoreMatmul
 
 
 def _bind_store(sch, i, j):
@@ -42,43 +40,15 @@ def _sm(target) -> int:
 
 def cuda_rules(tensorize: bool = True, narrow: bool = True) -> list:
     """Our rules, most specific first. tensorize=False / narrow=False: the variants the CPU
-    checks run (schedules.cuda.verify)."""
-    from .gemv import DecodeGEMV
+    checks run (tests/gpu_verify.py)."""
+    from schedules.gpu.gemv import DecodeGEMV
 
     return [TensorCoreMatmul(mma_config(), tensorize=tensorize, narrow=narrow),
             DecodeGEMV(warp_size=32, narrow=narrow)]
 
 
-def cuda_schedule_passes(target_spec=None) -> list:
-    """Bounds annotation, then our rules and dlight's GPU fallbacks in one pass: every kernel
-    ends up bound to threads."""
-    from tvm.s_tir import dlight as dl
+def cuda_schedule_passes() -> list:
+    """Bounds annotation, then our rules and dlight's GPU fallbacks in one pass."""
+    from schedules.gpu import gpu_schedule_passes
 
-    return [AnnotateSymbolicBounds(),
-            dl.ApplyDefaultSchedule(*cuda_rules(), dl.gpu.Matmul(), dl.gpu.GEMV(),
-                                    dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
-                                    dl.gpu.Fallback())]
-
-
-def tensor_core_tir_pipeline() -> str:
-    """Name of the TIR pipeline for GPU builds with warp-fragment schedules: TVM's s_tir
-    pipeline with LowerWarpMemory run three times on the device side (it lowers one "warp"
-    allocation per scope per run: accumulator, A and W fragments)."""
-    import tvm
-    from tvm.s_tir.pipeline import default_s_tir_pipeline
-    from tvm.tirx.compilation_pipeline import register_tir_pipeline
-
-    name = "tvm_llm_warp_fragments"
-
-    def pipeline():
-        passes, finalize_host, _ = default_s_tir_pipeline()
-
-        def finalize_device():
-            T = tvm.tirx.transform
-            return tvm.transform.Sequential([T.LowerWarpMemory()] * 3 +
-                                            [T.StmtSimplify(), T.LowerIntrin()])
-
-        return passes, finalize_host, finalize_device
-
-    register_tir_pipeline(name, pipeline)
-    return name
+    return gpu_schedule_passes(cuda_rules())

@@ -1,13 +1,12 @@
 """ROCm schedule rules (CDNA: gfx90a, gfx942): MFMA GEMM with 64x64 wavefront tiles, decode GEMV.
 
-The GEMM is `schedules.cuda.tensor_core.TensorCoreMatmul` with MFMA parameters: 128x128
+The GEMM is `schedules.gpu.tensor_core.TensorCoreMatmul` with MFMA parameters: 128x128
 workgroup tiles of 2x2 wavefronts, each wavefront 64x64 = 4x4 MFMA 16x16 tiles (16
 `v_mfma_f32_16x16x16_f16` per 16-wide K step, 32 per 32-wide K tile staged in LDS).
 """
 from __future__ import annotations
 
-from schedules.cuda.analysis import AnnotateSymbolicBounds
-from schedules.cuda.tensor_core import TensorCoreConfig, TensorCoreMatmul
+from schedules.gpu.tensor_core import TensorCoreConfig, TensorCoreMatmul
 
 MFMA_ARCHS = ("gfx90a", "gfx940", "gfx941", "gfx942", "gfx950")
 MFMA_K32_I8_ARCHS = ("gfx940", "gfx941", "gfx942", "gfx950")
@@ -49,19 +48,16 @@ def mfma_i8_config() -> TensorCoreConfig:
 
 
 def rocm_rules(tensorize: bool = True, narrow: bool = True) -> list:
-    """Our rules, most specific first (tensorize/narrow=False: see schedules.cuda.verify)."""
-    from schedules.cuda.gemv import DecodeGEMV
+    """Our rules, most specific first (tensorize/narrow=False: see tests/gpu_verify.py)."""
+    from schedules.gpu.gemv import DecodeGEMV
 
     return [TensorCoreMatmul(mfma_config(), tensorize=tensorize, narrow=narrow),
             TensorCoreMatmul(mfma_i8_config(), tensorize=tensorize, narrow=narrow),
             DecodeGEMV(warp_size=64, narrow=narrow)]
 
 
-def rocm_schedule_passes(target_spec=None) -> list:
+def rocm_schedule_passes() -> list:
     """Bounds annotation, then our rules and dlight's GPU fallbacks in one pass."""
-    from tvm.s_tir import dlight as dl
+    from schedules.gpu import gpu_schedule_passes
 
-    return [AnnotateSymbolicBounds(),
-            dl.ApplyDefaultSchedule(*rocm_rules(), dl.gpu.Matmul(), dl.gpu.GEMV(),
-                                    dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
-                                    dl.gpu.Fallback())]
+    return gpu_schedule_passes(rocm_rules())

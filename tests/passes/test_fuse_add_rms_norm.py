@@ -48,7 +48,7 @@ def test_before_after():
 def test_fused_kernel_equals_unfused_pair():
     """Through LegalizeOps and our CPU schedule rules, as the build runs it."""
     from schedules.cpu import cpu_schedule_pass
-    from schedules.cpu.workloads import host_target
+    from cpu_workloads import host_target
 
     args = [random((7, 64), 1), random((7, 64), 2), random((64,), 3)]
     target = host_target()
@@ -58,7 +58,7 @@ def test_fused_kernel_equals_unfused_pair():
                                         relax.transform.AnnotateTIROpPattern(),
                                         relax.transform.FuseOps(), relax.transform.FuseTIR()])
         with target:
-            mod = cpu_schedule_pass(None)(seq(mod))
+            mod = cpu_schedule_pass()(seq(mod))
         fused = [f for gv, f in mod.functions_items() if "add_rms_norm" in gv.name_hint]
         vm = relax.VirtualMachine(tvm.compile(mod, target=target), tvm.cpu())
         out = vm["main"](*[tvm.runtime.tensor(a, tvm.cpu()) for a in args])

@@ -21,7 +21,7 @@ def llama_phases(checkpoint, tmp_path_factory):
     ck = checkpoint("llama")
     model = load_model(ck, read_config(ck), "float32")
     imported = import_model(model, dtype="float32", context_window=256, max_batch_size=4,
-                            prefill_chunk_size=64, target=spec.tvm_target())
+                            prefill_chunk_size=64, target=spec)
     snapshots = {}
     mod = imported.mod
     with spec.tvm_target():

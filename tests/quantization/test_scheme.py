@@ -7,12 +7,14 @@ import pytest
 import tvm
 from tvm import relax
 
-from schedules.cpu import cpu_schedule_pass, workloads
+import cpu_workloads as workloads
+from schedules.cpu import cpu_schedule_pass
 from tvm_llm.errors import UserError
 from tvm_llm.passes.quantize_linear import emit_quantized_matmul
 from tvm_llm.quantization import kernels
 from tvm_llm.quantization.formats import FORMATS, fake_quantize_activation
 from tvm_llm.quantization.scheme import pack_vnni, parse_scheme, stored_np
+from tvm_llm.targets import get_target
 
 
 def _weights(N=48, K=192, seed=0):
@@ -36,7 +38,8 @@ def _scheduled_matmul(K, N, fmt, layout, x_shape, target=None):
           for i, (shape, dtype) in enumerate(kernels.stored_shapes(N, K, fmt, layout))]
     with bb.function("main", [x] + ws):
         with bb.dataflow():
-            y = bb.emit(emit_quantized_matmul(bb, x, ws, fmt, layout, K, N, "float32"))
+            y = bb.emit(emit_quantized_matmul(bb, x, ws, fmt, layout, K, N, "float32",
+                                              get_target("llvm")))
             y = bb.emit(relax.op.nn.silu(y))  # an epilogue FuseOps fuses into the matmul
             out = bb.emit_output(y)
         bb.emit_func_output(out)

@@ -44,7 +44,7 @@ def gpu_kernels():
     from schedules.cpu.attention import (LayerTable, decode_attention_func, for_gpu,
                                          prefill_paged_attention_func,
                                          prefill_ragged_attention_func)
-    from schedules.cuda.verify import build_serial_on_cpu
+    from gpu_verify import build_serial_on_cpu
 
     table = LayerTable(SCALES, WINDOWS, CAPS, SINKS)
     funcs = {"decode": decode_attention_func(H_KV, H_QO, D, "float32", PAGE, table, vector=False),

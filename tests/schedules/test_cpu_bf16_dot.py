@@ -8,7 +8,8 @@ import pytest
 import tvm
 from tvm import relax
 
-from schedules.cpu import cpu_schedule_pass, workloads
+from schedules.cpu import cpu_schedule_pass
+import cpu_workloads as workloads
 from tvm_llm.targets.llvm import LLVMTarget, host_cpu_flags
 
 K, N = 64, 96  # N a multiple of the panel width (48 on znver4), K even
@@ -30,7 +31,7 @@ def _bf16_linear_f32_out():
 def _compile(target):
     mod = _bf16_linear_f32_out()
     with target:
-        mod = cpu_schedule_pass(None)(mod)
+        mod = cpu_schedule_pass()(mod)
         mod = relax.transform.SplitLayoutRewritePreproc()(mod)
         mod = relax.transform.LiftTransformParams()(mod)
     ex = tvm.compile(mod, target=target)

@@ -9,10 +9,11 @@ import pytest
 import tvm
 from tvm import relax
 
-from schedules.cpu import common, cpu_schedule_pass, prepack, workloads
+import cpu_workloads as workloads
+from schedules.cpu import common, cpu_schedule_pass, prepack
 from schedules.cpu.gemm import GEMM
 from schedules.cpu.gemv import GEMV
-from schedules.cpu.workloads import host_target, reference_linear
+from cpu_workloads import host_target, reference_linear
 
 
 # (name, K, N, mode, epilogue): K/N not multiples of the tiles; N=100 needs a padded panel.
@@ -34,7 +35,7 @@ def packed_vm():
     mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
     target = host_target()
     with target:
-        mod = cpu_schedule_pass(None)(mod)
+        mod = cpu_schedule_pass()(mod)
         scheduled = workloads.prim_funcs(mod)
         mod = relax.transform.SplitLayoutRewritePreproc()(mod)
         mod = relax.transform.LiftTransformParams()(mod)
@@ -98,7 +99,7 @@ def test_nn_matmul_numerics():
     target = host_target()
     mod = workloads.linear(48, 80, "prefill", "silu", layout="NN")
     with target:
-        mod = cpu_schedule_pass(None)(mod)
+        mod = cpu_schedule_pass()(mod)
     assert all(bool(f.attrs.get("tirx.is_scheduled", False))
                for f in workloads.prim_funcs(mod).values())
     vm = relax.VirtualMachine(tvm.compile(mod, target=target), tvm.cpu())
@@ -125,7 +126,7 @@ def test_shared_prepack_between_prefill_and_decode():
     mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
     target = host_target()
     with target:
-        mod = cpu_schedule_pass(None)(mod)
+        mod = cpu_schedule_pass()(mod)
         mod = tvm.transform.Sequential(prepack.prepack_passes())(mod)
     tp = mod["transform_params"]
     assert len(tp.ret_ty.fields) == 1  # one packed weight, shared
@@ -159,7 +160,7 @@ def test_aarch64_neon_fmla():
                                   dict(name="d", K=64, N=96, mode="decode", epilogue="bias")])
     mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
     with arm:
-        mod = cpu_schedule_pass(None)(mod)
+        mod = cpu_schedule_pass()(mod)
     assert all(bool(f.attrs.get("tirx.is_scheduled", False))
                for f in workloads.prim_funcs(mod).values())
     mod = relax.transform.SplitLayoutRewritePreproc()(mod)
@@ -181,7 +182,7 @@ def test_avx2_target_numerics():
     for marked in (True, False):
         m = relax.transform.AttachAttrLayoutFreeBuffers()(mod) if marked else mod
         with target:
-            m = cpu_schedule_pass(None)(m)
+            m = cpu_schedule_pass()(m)
             assert all(bool(f.attrs.get("tirx.is_scheduled", False))
                        for f in workloads.prim_funcs(m).values())
             m = relax.transform.SplitLayoutRewritePreproc()(m)
@@ -218,7 +219,7 @@ def test_bfloat16_linear_equals_numpy(prepack_weights):
         mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
     target = host_target()
     with target:
-        mod = cpu_schedule_pass(None, prepack="auto" if prepack_weights else False)(mod)
+        mod = cpu_schedule_pass(prepack="auto" if prepack_weights else False)(mod)
         funcs = workloads.prim_funcs(mod)
         mod = relax.transform.SplitLayoutRewritePreproc()(mod)
         mod = relax.transform.LiftTransformParams()(mod)

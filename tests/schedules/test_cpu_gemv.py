@@ -8,9 +8,10 @@ import pytest
 import tvm
 from tvm import relax
 
-from schedules.cpu import cpu_schedule_pass, workloads
+import cpu_workloads as workloads
+from schedules.cpu import cpu_schedule_pass
 from schedules.cpu.gemv import GEMV
-from schedules.cpu.workloads import host_target, reference_linear
+from cpu_workloads import host_target, reference_linear
 
 
 # K not a multiple of the SIMD width (67, 100), N not of the row block (37, 100)
@@ -31,7 +32,7 @@ def gemv_vm():
                                   for n, k, nn, m, e in SPECS])
     target = host_target()
     with target:
-        mod = cpu_schedule_pass(None)(mod)
+        mod = cpu_schedule_pass()(mod)
     funcs = workloads.prim_funcs(mod)
     return relax.VirtualMachine(tvm.compile(mod, target=target), tvm.cpu()), funcs
 
@@ -89,7 +90,7 @@ def test_aarch64_neon_fmla():
     arm = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]})
     mod = workloads.linear_suite([dict(name="d", K=64, N=96, mode="decode", epilogue="bias")])
     with arm:
-        mod = cpu_schedule_pass(None)(mod)
+        mod = cpu_schedule_pass()(mod)
     assert all(bool(f.attrs.get("tirx.is_scheduled", False))
                for f in workloads.prim_funcs(mod).values())
     asm = tvm.compile(mod, target=arm).mod.imports[0].inspect_source("asm")

@@ -9,10 +9,11 @@ import pytest
 import tvm
 from tvm import relax, tirx
 
-from schedules.cpu import cpu_schedule_pass, workloads
+import cpu_workloads as workloads
+from schedules.cpu import cpu_schedule_pass
 from schedules.cpu.elementwise import Elementwise
 from schedules.cpu.reduction import RowReduction
-from schedules.cpu.workloads import host_target
+from cpu_workloads import host_target
 
 
 def rms(x, g):
@@ -66,7 +67,7 @@ def take_module(vocab=100, hidden=64):
 def compile_scheduled(mod, target=None):
     target = target or host_target()
     with target:
-        mod = cpu_schedule_pass(None)(mod)
+        mod = cpu_schedule_pass()(mod)
     funcs = workloads.prim_funcs(mod)
     assert all(bool(f.attrs.get("tirx.is_scheduled", False)) for f in funcs.values()), \
         [k for k, f in funcs.items() if not f.attrs.get("tirx.is_scheduled", False)]
@@ -180,7 +181,7 @@ def test_llama_block_fully_scheduled():
     for marked in (False, True):
         m = relax.transform.AttachAttrLayoutFreeBuffers()(mod) if marked else mod
         with host_target():
-            m = cpu_schedule_pass(None)(m)
+            m = cpu_schedule_pass()(m)
         funcs = workloads.prim_funcs(m)
         assert len(funcs) >= 5
         assert all(bool(f.attrs.get("tirx.is_scheduled", False)) for f in funcs.values())
@@ -190,6 +191,6 @@ def test_aarch64_neon_fmla():
     arm = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]})
     mod = workloads.rms_norm(64)
     with arm:
-        mod = cpu_schedule_pass(None)(mod)
+        mod = cpu_schedule_pass()(mod)
     asm = tvm.compile(mod, target=arm).mod.imports[0].inspect_source("asm")
     assert re.search(r"\bfmla\s+v\d+\.4s", asm)

@@ -9,7 +9,7 @@ import tvm
 from tvm.script import tirx as T
 
 from schedules.cpu import fast_math
-from schedules.cpu.workloads import host_target
+from cpu_workloads import host_target
 
 
 def _kernel(dtype):

@@ -8,7 +8,8 @@ import pytest
 import tvm
 from tvm import relax
 
-from schedules.cpu import cpu_schedule_pass, microarch, workloads
+import cpu_workloads as workloads
+from schedules.cpu import cpu_schedule_pass, microarch
 
 
 def _target(cpu):
@@ -23,7 +24,7 @@ def packed_gemm_asm(cpu, K=256, N=1536):
     mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
     target = _target(cpu)
     with target:
-        mod = cpu_schedule_pass(None)(mod)
+        mod = cpu_schedule_pass()(mod)
     mod = relax.transform.SplitLayoutRewritePreproc()(mod)
     return tvm.compile(mod, target=target).mod.imports[0].inspect_source("asm")
 

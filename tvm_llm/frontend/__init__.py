@@ -7,6 +7,8 @@ attention routed through one custom op that becomes the paged-KV-cache attention
 """
 from __future__ import annotations
 
+import warnings
+
 from .checkpoint import (load_model, nonfinite_weights, read_config, safetensors_files,  # noqa: F401
                          tokenizer_files)
 from .relax_import import AttentionShape, ImportedModel  # noqa: F401
@@ -15,7 +17,8 @@ from .relax_import import AttentionShape, ImportedModel  # noqa: F401
 def import_model(model, *, dtype: str, context_window: int, max_batch_size: int,
                  prefill_chunk_size: int, target, page_size: int = 16):
     """Trace `model` (a transformers causal LM in eval mode) into an ImportedModel whose
-    module has prefill, decode and create_paged_kv_cache (its kernels built for `page_size`)."""
+    module has prefill, decode and create_paged_kv_cache (its kernels built for `page_size`).
+    `target`: the TargetSpec (tvm_llm.targets), which picks the cache's attention kernels."""
     import torch
 
     from .attention import use_paged_attention
@@ -28,9 +31,14 @@ def import_model(model, *, dtype: str, context_window: int, max_batch_size: int,
     use_paged_attention(model, context_window)
     use_latent_attention(model)  # DeepSeek MLA layers: the latent goes to the cache (mla.py)
     use_tvm_experts(model)
-    ep = export_logits_model(model, max_seq=max(context_window, prefill_chunk_size))
-    vocab = model.config.get_text_config().vocab_size
-    imported = to_relax(ep, vocab, dtype)
+    with warnings.catch_warnings():
+        # torch's own pytree code calls its deprecated `isinstance(treespec, LeafSpec)` while
+        # exporting (a FutureWarning about torch internals, nothing a user can act on)
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is "
+                                "deprecated", category=FutureWarning)
+        ep = export_logits_model(model, max_seq=max(context_window, prefill_chunk_size))
+        vocab = model.config.get_text_config().vocab_size
+        imported = to_relax(ep, vocab, dtype)
     mod = specialize(imported.mod, max_batch=max_batch_size, max_tokens=prefill_chunk_size)
     imported.mod = add_kv_cache_creation(mod, imported.attention, dtype, target, page_size)
     return imported

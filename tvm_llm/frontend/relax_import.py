@@ -38,20 +38,6 @@ class AttentionShape:
     # same latent row (c | k_pe), head_dim = kv_lora_rank + qk_rope_head_dim
     latent: bool = False
 
-    def layer_table(self):
-        """The CPU kernels' per-layer table (schedules/cpu/attention.py), None without variants."""
-        if not self.variants:
-            return None
-        from schedules.cpu.attention import LayerTable
-
-        rows = [self.variants.get(i, (0, 0.0, None)) for i in range(self.num_layers)]
-        with_sinks = any(r[2] is not None for r in rows)
-        no_sink = [-1e30] * self.num_heads  # exp(-1e30) = 0: the layer has no sink
-        return LayerTable(scales=tuple(self.scales), windows=tuple(r[0] for r in rows),
-                          softcaps=tuple(r[1] for r in rows),
-                          sinks=tuple(tuple(r[2] if r[2] is not None else no_sink) for r in rows)
-                          if with_sinks else None)
-
     @property
     def sliding_window(self) -> int:
         """The window when every layer slides with the same window (the cache can then drop
@@ -116,7 +102,7 @@ def _attention_variant_converter(layers: dict, variants: dict, cache_var, source
     """Converter of `tvm_llm::paged_attention_variant` (layers with a sliding window, logit
     soft-capping or attention sinks): records the layer's variant and emits the same cache
     call as paged_attention, with the layer code -(layer + 1) as sm_scale, by which the CPU
-    kernels find the layer's row of their table (schedules/cpu/attention.py)."""
+    kernels find the layer's row of their table (tvm_llm/targets/attention.py)."""
     plain = _attention_converter(layers, cache_var, cache_dtype,
                                  sm_scale_arg=lambda layer, scale: float(-(layer + 1)))
     plain = plain["paged_attention.default"]
@@ -431,8 +417,10 @@ def specialize(mod, max_batch: int, max_tokens: int):
     return rx.transform.DeadCodeElimination(["prefill", "decode", "hidden_states"])(out)
 
 
-def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target, page_size: int = 16):
-    """Add create_paged_kv_cache (TVM's TIR paged KV cache for this target and dtype).
+def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target_spec,
+                          page_size: int = 16):
+    """Add create_paged_kv_cache (TVM's TIR paged KV cache for this target and dtype), with
+    the kernels the target replaces (`TargetSpec.cache_kernels`: our attention kernels).
 
     The cache's kernels match its pages buffer with a fixed page extent (TVM compiles them for
     16-token pages), so on CPU every kernel that reads or writes pages is rebuilt for
@@ -442,6 +430,8 @@ def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target, page_si
     from tvm import tirx
     from tvm.relax.frontend import nn
     from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+
+    target = target_spec.tvm_target()
 
     class CacheFactory(nn.Module):
         def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
@@ -464,96 +454,11 @@ def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target, page_si
                                       "support_sliding_window": int,
                                       "$": {"param_mode": "none", "effect_mode": "none"}}}
     kv_mod, _ = CacheFactory().export_tvm(spec=spec)
-    if target.kind.name == "llvm":  # TVM's CPU attention kernels are scalar and serial
-        from schedules.cpu.attention import decode_attention_func, prefill_ragged_attention_func
-
-        shape = (attn.num_kv_heads, attn.num_heads, attn.head_dim, dtype)
-        table = attn.layer_table()
-        kv_mod["batch_decode_paged_kv_cpu"] = decode_attention_func(*shape, page_size=page_size,
-                                                                    table=table)
-        kv_mod["batch_prefill_ragged_kv"] = prefill_ragged_attention_func(*shape, table=table)
-        _add_cpu_paged_attention(kv_mod, shape, page_size, table)
-        if attn.latent:  # MLA: heads split over threads, values read from the K plane
-            from schedules.cpu.mla_attention import latent_decode_attention_func
-
-            kv_mod["batch_decode_paged_kv_cpu"] = latent_decode_attention_func(
-                attn.num_heads, attn.head_dim, dtype, page_size=page_size)
-        if page_size != 16:
-            _rebuild_cpu_page_kernels(kv_mod, attn, dtype, page_size)
-        if dtype == "bfloat16":
-            # the q/k/v split kernel (fused_rope; rotary is off here, it only copies) fails
-            # LLVM codegen once vectorized in bfloat16 (TVM's bf16 legalization meets a Let
-            # in the vector loop): left to TVM's default lowering, serial and correct
-            if "fused_rope" in {gv.name_hint for gv in kv_mod.get_global_vars()}:
-                kv_mod["fused_rope"] = kv_mod["fused_rope"].with_attr("tirx.is_scheduled", True)
-    elif attn.variants:  # TVM's GPU kernels know no per-layer windows, soft-caps or sinks
-        _add_gpu_variant_attention(kv_mod, attn, dtype)
-    for gv, func in mod.functions_items():  # the same GlobalVars: prefill calls its kernels by them
-        kv_mod[gv] = func
-    return kv_mod
-
-
-def _rebuild_cpu_page_kernels(kv_mod, attn: AttentionShape, dtype: str, page_size: int) -> None:
-    """TVM's own CPU page kernels (append, compaction; the attention kernels are ours, see
-    _add_cpu_paged_attention) for `page_size`-token pages, under the names the cache refers to. (The tree-attention
-    kernel stays 16-token: speculative tree decoding is never used by our runtime.)"""
-    from tvm.relax.frontend.nn.llm import _page_kernels as pk
-
-    h_kv, h_q, d = attn.num_kv_heads, attn.num_heads, attn.head_dim
-    kernels = {
-        "tir_kv_cache_transpose_append": pk._kv_cache_transpose_append(h_kv, d, dtype, page_size),
-        "compact_kv_copy_cpu": pk._compact_kv_copy_cpu(h_kv, d, dtype, page_size),
-    }
     names = {gv.name_hint for gv in kv_mod.get_global_vars()}
-    for name, func in kernels.items():
-        if name not in names:  # TVM renamed a kernel: fail the build, never mismatch at run time
-            raise RuntimeError(f"TVM's paged KV cache has no kernel named {name}")
-        kv_mod[name] = func.with_attr("global_symbol", name)
-
-
-def _add_cpu_paged_attention(kv_mod, shape: tuple, page_size: int, table) -> None:
-    """Our kernels for the cache's attention over pages besides decode: the paged prefill (new
-    tokens against cached ones) and both kernels of the cache's sliding-window page layout (a
-    sequence whose pages behind its window were released), under the names the cache calls.
-    They honour the per-layer table (windows, soft-caps, sinks) like decode and ragged prefill."""
-    from schedules.cpu.attention import decode_attention_func, prefill_paged_attention_func
-
-    kernels = {
-        "batch_prefill_paged_kv_cpu": prefill_paged_attention_func(
-            *shape, page_size=page_size, table=table),
-        "batch_prefill_paged_kv_cpu_sliding_window": prefill_paged_attention_func(
-            *shape, page_size=page_size, table=table, sliding=True),
-        "batch_decode_paged_kv_cpu_sliding_window": decode_attention_func(
-            *shape, page_size=page_size, table=table, sliding=True),
-    }
-    names = {gv.name_hint for gv in kv_mod.get_global_vars()}
-    for name, func in kernels.items():
+    for name, func in target_spec.cache_kernels(kv_mod, attn, dtype, page_size).items():
         if name not in names:  # TVM renamed a kernel: fail the build, never mismatch at run time
             raise RuntimeError(f"TVM's paged KV cache has no kernel named {name}")
         kv_mod[name] = func
-
-
-def _add_gpu_variant_attention(kv_mod, attn: AttentionShape, dtype: str) -> None:
-    """GPU builds of a model with attention variants: our CPU kernels with their per-layer table
-    (schedules/cpu/attention.py), one GPU thread per (row, KV head) item (`for_gpu`), in place of
-    TVM's decode, paged prefill and ragged prefill kernels (GPU pages hold 16 tokens)."""
-    from schedules.cpu.attention import (decode_attention_func, for_gpu,
-                                         prefill_paged_attention_func,
-                                         prefill_ragged_attention_func)
-
-    shape = (attn.num_kv_heads, attn.num_heads, attn.head_dim, dtype)
-    table = attn.layer_table()
-    kernels = {
-        "batch_decode_paged_kv": decode_attention_func(*shape, 16, table, vector=False),
-        "batch_decode_paged_kv_sliding_window": decode_attention_func(*shape, 16, table, True,
-                                                                      vector=False),
-        "batch_prefill_paged_kv": prefill_paged_attention_func(*shape, 16, table, vector=False),
-        "batch_prefill_paged_kv_sliding_window": prefill_paged_attention_func(
-            *shape, 16, table, True, vector=False),
-        "batch_prefill_ragged_kv": prefill_ragged_attention_func(*shape, table, vector=False),
-    }
-    names = {gv.name_hint for gv in kv_mod.get_global_vars()}
-    for name, func in kernels.items():
-        if name not in names:  # TVM renamed a kernel: fail the build, never mismatch at run time
-            raise RuntimeError(f"TVM's paged KV cache has no kernel named {name}")
-        kv_mod[name] = for_gpu(func).with_attr("global_symbol", name)
+    for gv, func in mod.functions_items():  # the same GlobalVars: prefill calls its kernels by them
+        kv_mod[gv] = func
+    return kv_mod

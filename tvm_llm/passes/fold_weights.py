@@ -80,9 +80,11 @@ def apply_weight_transform(transform_mod, weights: list) -> list:
         return weights
     import numpy as np
 
+    from .known_warnings import run_filtering_stderr
+
     target = tvm.target.Target({"kind": "llvm"})
-    with target:
-        ex = tvm.compile(transform_mod, target=target)
+    with target:  # its LegalizeOps lowers takes too: without TVM's "Fast mode" lines
+        ex = run_filtering_stderr(lambda: tvm.compile(transform_mod, target=target))
     vm = relax.VirtualMachine(ex, tvm.cpu())
     out = vm[TRANSFORM]([_as_tvm(w) for w in weights])
     return [_as_numpy(t) for t in out]

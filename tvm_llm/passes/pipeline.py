@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import time
 
+from .kernel_counts import count_ops, kernels_per_call  # noqa: F401  (the build report's counts)
+
 PHASES = ("import_cleanup", "fusion", "folding", "lowering", "scheduling", "finalize")
 
 
@@ -39,7 +41,8 @@ def phase_passes(target_spec, disabled: frozenset = frozenset(), tuning_log: str
                            relax.transform.EliminateCommonSubexpr(),
                            relax.transform.DeadCodeElimination(entry)],
         "fusion": [UnflattenLinear(), MergeParallelLinear(), FuseRMSNorm()]
-                  + _quantize_passes(quantization, checkpoint_names, quant_report)
+                  + _quantize_passes(quantization, checkpoint_names, quant_report,
+                                     target_spec)
                   + list(target_spec.graph_passes())
                   + [relax.transform.FuseTransposeMatmul()],
         "folding": [relax.transform.FoldConstant(), LiftWeightTransforms(),
@@ -57,12 +60,12 @@ def phase_passes(target_spec, disabled: frozenset = frozenset(), tuning_log: str
             for name in PHASES]
 
 
-def _quantize_passes(quantization, checkpoint_names, report) -> list:
+def _quantize_passes(quantization, checkpoint_names, report, target_spec) -> list:
     if quantization is None:
         return []
     from .quantize_linear import QuantizeLinear
 
-    return [QuantizeLinear(quantization, checkpoint_names, report)]
+    return [QuantizeLinear(quantization, checkpoint_names, report, target_spec)]
 
 
 def _tuning_passes(target_spec, tuning_log, report) -> list:
@@ -86,82 +89,6 @@ def _finalize_passes(target_spec) -> list:
     return passes
 
 
-def count_ops(mod) -> dict:
-    """Relax calls per operator name (call_tir counts as its kernel kind) across the module."""
-    from tvm import relax
-
-    counts: dict = {}
-
-    def visit(expr):
-        if isinstance(expr, relax.Call):
-            op = expr.op
-            name = getattr(op, "name", None) or getattr(op, "name_hint", None) or "call"
-            counts[name] = counts.get(name, 0) + 1
-
-    for _, func in mod.functions_items():
-        if isinstance(func, relax.Function):
-            relax.analysis.post_order_visit(func, visit)
-    return counts
-
-
-def kernels_per_call(mod, func_name: str, inside_graphs: bool = True) -> int:
-    """Kernel launches one call of `func_name` makes in a finalized module: calls of PrimFuncs
-    of the module plus the paged-attention packed calls (shape and memory builtins excluded),
-    with those of the CUDA Graph regions it replays unless `inside_graphs` is False."""
-    import tvm
-    from tvm import relax
-
-    from .graph_capture import captured_region
-
-    if func_name not in [gv.name_hint for gv in mod.get_global_vars()]:
-        return 0
-    prim = {gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
-    count = [0]
-
-    def visit(expr):
-        if not isinstance(expr, relax.Call):
-            return
-        op = expr.op
-        region = captured_region(expr)
-        if region is not None:
-            count[0] += kernels_per_call(mod, region) if inside_graphs else 0
-        elif isinstance(op, tvm.ir.GlobalVar) and op.name_hint in prim:
-            if not op.name_hint.startswith(("shape_func", "compute_symbolic_expr")):  # host scalars
-                count[0] += 1
-        elif isinstance(op, relax.ExternFunc) and "attention" in str(op.global_symbol):
-            count[0] += 1
-        elif getattr(op, "name", "") in ("relax.call_tir", "relax.call_dps_packed"):
-            callee = expr.args[0]
-            name = getattr(callee, "name_hint", None) or str(getattr(callee, "global_symbol", ""))
-            if not name.startswith("reshape"):  # lowered to a free view by RewriteDataflowReshape
-                count[0] += 1
-
-    relax.analysis.post_order_visit(mod[func_name], visit)
-    return count[0]
-
-
-def capture_summary(mod, func_name: str) -> dict:
-    """What one call of `func_name` in a finalized module runs as graphs: the captured regions
-    it replays, the kernels inside them, and the kernel launches left outside (reading a runtime
-    input such as the token ids, or calling the paged-KV attention)."""
-    from tvm import relax
-
-    from .graph_capture import captured_region
-
-    regions = []
-
-    def visit(expr):
-        name = captured_region(expr)
-        if name is not None:
-            regions.append(name)
-
-    if func_name in [gv.name_hint for gv in mod.get_global_vars()]:
-        relax.analysis.post_order_visit(mod[func_name], visit)
-    return {"regions": len(regions),
-            "captured_kernels": sum(kernels_per_call(mod, r) for r in regions),
-            "uncaptured_kernels": kernels_per_call(mod, func_name, inside_graphs=False)}
-
-
 def run_pipeline(mod, target_spec, dump_dir: str | None = None,
                  disabled: frozenset = frozenset(), tuning_log: str | None = None,
                  stop_after: str | None = None, quantization=None,
@@ -177,6 +104,7 @@ def run_pipeline(mod, target_spec, dump_dir: str | None = None,
     import tvm
 
     from .fold_weights import split_weight_transform
+    from .known_warnings import run_filtering_stderr
 
     report = []
     weight_transforms = []
@@ -192,7 +120,7 @@ def run_pipeline(mod, target_spec, dump_dir: str | None = None,
             pass_seconds = {}
             for p in passes:  # one at a time, so the report can say what each pass cost
                 t_pass = time.perf_counter()
-                mod = p(mod)
+                mod = run_filtering_stderr(p, mod)  # less TVM's known harmless warnings
                 key = p.info.name
                 pass_seconds[key] = round(pass_seconds.get(key, 0) + time.perf_counter() - t_pass, 3)
             if name in ("folding", "scheduling"):
@@ -220,5 +148,7 @@ def run_pipeline(mod, target_spec, dump_dir: str | None = None,
                    "decode_kernels": kernels_per_call(mod, "decode"),
                    "prefill_kernels": kernels_per_call(mod, "prefill")})
     if target_spec.graph_capture_passes():
+        from .kernel_counts import capture_summary
+
         report[-1]["decode_graph_capture"] = capture_summary(mod, "decode")
     return mod, weight_transforms, report

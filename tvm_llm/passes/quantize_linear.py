@@ -6,7 +6,8 @@ as MergeParallelLinear's concatenation), into
 
     stored = call_pure_packed("tvm_llm.quantize_weight", W, format, layout, names)
     weight-only:      y = dequantize_matmul(x, *stored)     (dequantize inlined by schedules)
-    int8 activations: y = int8_act_matmul(x, *stored)       (schedules/cpu/int8_act_matmul.py,
+    int8 activations: y = int8_act_matmul(x, *stored)       (the target's kernel: on CPU
+                                                             schedules/cpu/int8_act_matmul.py,
                                                              VNNI, per-32-block activation scales)
 
 The quantize call reads only weights, so the folding phase lifts it into the build-time weight
@@ -20,8 +21,6 @@ The grouped expert GEMMs of MoE layers (call_tir of moe_gemm) get their stacked 
 quantized the same way, expert by expert (quantization/experts.py, weight-only).
 """
 from __future__ import annotations
-
-import functools
 
 import tvm
 from tvm import relax
@@ -38,9 +37,11 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 @mutator
 class _Quantizer(PyExprMutator):
-    def __init__(self, mod, scheme: QuantScheme, checkpoint_names: dict, report: dict):
+    def __init__(self, mod, scheme: QuantScheme, checkpoint_names: dict, report: dict,
+                 target_spec=None):
         super().__init__(mod)
         self.scheme = scheme
+        self.target_spec = target_spec
         self.checkpoint_names = checkpoint_names
         self.report = report
         self.weights: set = set()
@@ -212,7 +213,8 @@ class _Quantizer(PyExprMutator):
         out_dtype = str(out_dtype) if out_dtype is not None and str(out_dtype) not in ("", "void") \
             else str(x.ty.dtype)
         stored = self._stored(w, w_new, fmt, layout, key, N, K)
-        return emit_quantized_matmul(bb, x_new, stored, fmt, layout, K, N, out_dtype)
+        return emit_quantized_matmul(bb, x_new, stored, fmt, layout, K, N, out_dtype,
+                                     self.target_spec)
 
 
 def emit_quantize_weight(bb, w, fmt: str, layout: str, key: str, N: int, K: int) -> list:
@@ -225,24 +227,18 @@ def emit_quantize_weight(bb, w, fmt: str, layout: str, key: str, N: int, K: int)
     return [bb.emit(relax.TupleGetItem(stored, i)) for i in range(len(shapes))]
 
 
-@functools.lru_cache(maxsize=None)
-def _int8_act_kernel(fmt: str, K: int, N: int, out_dtype: str):
-    """The int8-activation kernel of one (format, shape), made once per process: it is written
-    in TVMScript, and parsing it took ~3 s per linear layer (most of a q4 build's passes),
-    while a model has only a few distinct linear shapes. PrimFuncs are immutable: sharing is safe."""
-    from schedules.cpu.int8_act_matmul import int8_act_matmul_func
-
-    return int8_act_matmul_func(get_format(fmt), K, N, out_dtype)
-
-
 def emit_quantized_matmul(bb, x, stored: list, fmt: str, layout: str, K: int, N: int,
-                          out_dtype: str):
+                          out_dtype: str, target_spec=None):
     """The expression y = x @ W^T for a weight W held as `stored` (scheme.pack's arrays of
     format `fmt` in `layout`): what the pass emits, and what the kernel benchmark and tests
-    build around the same kernels."""
+    build around the same kernels. The int8-activation ("vnni") kernel is the target's
+    (`target_spec.quantized_matmul_kernel`)."""
     f = get_format(fmt)
     if layout == "vnni":
-        gv = bb.add_func(_int8_act_kernel(fmt, K, N, out_dtype), f"{fmt}_a8_matmul")
+        if target_spec is None:
+            raise ValueError("the int8-activation layout needs the target spec (its kernel)")
+        kernel = target_spec.quantized_matmul_kernel(fmt, K, N, out_dtype)
+        gv = bb.add_func(kernel, f"{fmt}_a8_matmul")
         shape = list(x.ty.shape)[:-1] + [N]
         return relax.call_tir(gv, relax.Tuple([x, *stored]),
                               out_ty=relax.TensorType(shape, out_dtype))
@@ -251,9 +247,9 @@ def emit_quantized_matmul(bb, x, stored: list, fmt: str, layout: str, K: int, N:
 
 
 def quantize_module(mod: tvm.IRModule, scheme: QuantScheme, checkpoint_names: dict,
-                    report: dict | None = None) -> tvm.IRModule:
+                    report: dict | None = None, target_spec=None) -> tvm.IRModule:
     report = {} if report is None else report
-    q = _Quantizer(mod, scheme, checkpoint_names, report)
+    q = _Quantizer(mod, scheme, checkpoint_names, report, target_spec)
     for gv, func in list(mod.functions_items()):
         if isinstance(func, relax.Function) and func.attrs is not None and "num_input" in func.attrs:
             q.start(func)
@@ -263,11 +259,12 @@ def quantize_module(mod: tvm.IRModule, scheme: QuantScheme, checkpoint_names: di
 
 
 def QuantizeLinear(scheme: QuantScheme, checkpoint_names: dict | None = None,
-                   report: dict | None = None) -> tvm.transform.Pass:
+                   report: dict | None = None, target_spec=None) -> tvm.transform.Pass:
     """The module pass. `checkpoint_names` maps Relax parameter names to checkpoint names (for
-    the plan, --keep-float and the report); `report` collects which weights were quantized."""
+    the plan, --keep-float and the report); `report` collects which weights were quantized;
+    `target_spec` gives the int8-activation kernels (needed with activations int8)."""
 
     def transform(mod, _ctx):
-        return quantize_module(mod, scheme, checkpoint_names or {}, report)
+        return quantize_module(mod, scheme, checkpoint_names or {}, report, target_spec)
 
     return tvm.transform.module_pass(transform, opt_level=0, name="QuantizeLinear")

@@ -6,7 +6,8 @@ fusion, the default dtype, and how to link and export the compiled module.
 """
 from __future__ import annotations
 
-from .base import _REGISTRY, TargetSpec, register_target  # noqa: F401
+from .base import TargetSpec  # noqa: F401
+from .registry import _REGISTRY, register_target  # noqa: F401
 from ..errors import UserError
 
 

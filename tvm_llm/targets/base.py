@@ -3,16 +3,6 @@ from __future__ import annotations
 
 import os
 
-_REGISTRY = {}  # short name -> TargetSpec subclass (get_target in targets/__init__.py)
-
-
-def register_target(name):
-    """Class decorator: make a TargetSpec subclass available as `get_target(name)`."""
-    def deco(cls):
-        _REGISTRY[name] = cls
-        return cls
-    return deco
-
 
 class TargetSpec:
     """One compilation target. Subclasses fill in the pieces that differ."""
@@ -27,6 +17,7 @@ class TargetSpec:
     def __init__(self, arch: str | None = None, **options):
         self.arch = arch
         self.options = options
+        self._tvm_target = None
 
     def check_page_size(self, page_size) -> None:
         """Refuse, at build time, a KV page size this target's kernels cannot take."""
@@ -38,7 +29,14 @@ class TargetSpec:
                             f"use one of {sizes} (tokens per KV cache page)")
 
     def tvm_target(self):
-        """The tvm.target.Target to compile for."""
+        """The tvm.target.Target to compile for, made once per spec (every phase of a build
+        asks for it; the CPU target probes LLVM for the host CPU each time it is made)."""
+        if self._tvm_target is None:
+            self._tvm_target = self.make_tvm_target()
+        return self._tvm_target
+
+    def make_tvm_target(self):
+        """Build the tvm.target.Target (called once, by tvm_target)."""
         raise NotImplementedError
 
     def hw_key(self) -> str:
@@ -48,6 +46,35 @@ class TargetSpec:
     def schedule_passes(self) -> list:
         """TIR scheduling passes run after fusion (our rules first, then generic fallbacks)."""
         return []
+
+    def cache_kernels(self, kv_mod, attn, dtype: str, page_size: int) -> dict:
+        """{kernel name: PrimFunc} to put in place of TVM's paged-KV-cache kernels of the same
+        name in `kv_mod` (the cache's module, before the model's functions join it). `attn`
+        is the traced frontend.AttentionShape. GPU default: TVM's kernels, except for models
+        with attention variants (per-layer windows, soft-caps, sinks), which TVM's GPU
+        kernels do not know: ours, one GPU thread per (row, KV head) (targets/attention.py)."""
+        if not attn.variants:
+            return {}
+        from .attention import gpu_variant_kernels
+
+        return gpu_variant_kernels(attn, dtype)
+
+    def quantized_matmul_kernel(self, fmt: str, K: int, N: int, out_dtype: str):
+        """The hand-written PrimFunc y = x @ W^T of a weight stored in format `fmt` with int8
+        activations (the "vnni" layout), or an error where the target has none."""
+        from ..errors import UserError
+
+        raise UserError(f"target {self.name} has no int8-activation matmul kernels: "
+                        "build without --activations int8")
+
+    def rule_grid(self, mod, only: str | None = None) -> list:
+        """[(label, Schedule)]: our matmul rules' schedules of the static kernel `mod` at each
+        tile the tuner measures (tvm_llm/tune/rule_grid.py); [] where the target has none."""
+        return []
+
+    def tile_table_name(self) -> str | None:
+        """Name of the register-tile table the rules use for this target, None if none."""
+        return None
 
     def graph_passes(self) -> list:
         """Relax passes of this target run in the fusion phase, after linear merging and

@@ -19,7 +19,8 @@ import os
 import re
 import struct
 
-from .base import TargetSpec, register_target
+from .registry import register_target
+from .gpu import GPUTargetSpec, host_target
 from ..errors import UserError
 
 # arch -> (shared memory a block may use, bytes; what the schedules may plan for)
@@ -32,25 +33,18 @@ CUDA_ARCHS = {
 DEFAULT_ARCH = "sm_80"
 
 
-def host_target() -> dict:
-    """The host side of a GPU build: generic x86-64 (the deployment CPU is unknown)."""
-    return {"kind": "llvm", "mtriple": f"{os.uname().machine}-linux-gnu"}
-
-
 @register_target("cuda")
-class CUDATarget(TargetSpec):
+class CUDATarget(GPUTargetSpec):
     name = "cuda"
-    default_dtype = "float16"
     device_type = "cuda"
+    archs = CUDA_ARCHS
+    default_arch = DEFAULT_ARCH
 
     def __init__(self, arch: str | None = None, **options):
-        arch = arch or DEFAULT_ARCH
-        if arch not in CUDA_ARCHS:
-            raise UserError(f"unknown --arch {arch!r} for cuda: choose one of {', '.join(CUDA_ARCHS)}")
         super().__init__(arch=arch, **options)
-        install_compile_callback(arch)
+        install_compile_callback(self.arch)
 
-    def tvm_target(self):
+    def make_tvm_target(self):
         import tvm
 
         return tvm.target.Target({
@@ -60,18 +54,10 @@ class CUDATarget(TargetSpec):
             "max_shared_memory_per_block": 49152, "registers_per_block": 65536,
         })
 
-    def hw_key(self) -> str:
-        return f"cuda-{self.arch}"
-
     def schedule_passes(self) -> list:
         from schedules.cuda import cuda_schedule_passes
 
-        return cuda_schedule_passes(self)
-
-    def tir_pipeline(self):
-        from schedules.cuda import tensor_core_tir_pipeline
-
-        return tensor_core_tir_pipeline()
+        return cuda_schedule_passes()
 
     def pass_context_config(self) -> dict:
         # CSE hoists threadIdx.x out of warp-buffer indices, which LowerWarpMemory then rejects;

@@ -3,9 +3,11 @@ name, e.g. ``--arch sapphirerapids``: code for that CPU, built here, run there) 
 triple (aarch64, optionally ``aarch64:neoverse-v1``)."""
 from __future__ import annotations
 
+import functools
 import os
 
-from .base import TargetSpec, register_target
+from .registry import register_target
+from .base import TargetSpec
 from ..errors import UserError
 
 CROSS_TRIPLES = {"aarch64": "aarch64-linux-gnu", "x86_64": "x86_64-linux-gnu"}
@@ -52,15 +54,6 @@ def parse_arch(arch: str | None) -> tuple[str, str | None]:
                     "skylake-avx512, haswell, ...) or ARCH:CPU (aarch64:neoverse-v1)")
 
 
-def _has_feature(feature: str, target) -> bool:
-    import tvm
-
-    try:
-        return bool(tvm.target.codegen.llvm_cpu_has_features(feature, target))
-    except Exception:  # pylint: disable=broad-except
-        return False
-
-
 ARCH_REQ_XCOMP_PERM = 0x1023  # arch_prctl code (Linux >= 5.16, asm/prctl.h)
 XFEATURE_XTILEDATA = 18  # the AMX tile data state component
 SYS_ARCH_PRCTL_X86_64 = 158
@@ -100,7 +93,9 @@ def amx_status(target) -> dict:
     """AMX-BF16 availability for a build: the target CPU's LLVM feature, and for the host the
     kernel's CPU flag and the permission request. No kernel uses AMX yet (no machine here
     has it to test one on); this is what a future AMX prefill GEMM would check first."""
-    status = {"llvm_feature": _has_feature("amx-bf16", target)}
+    from schedules.cpu.common import has_feature
+
+    status = {"llvm_feature": has_feature("amx-bf16", target)}
     if str(target.attrs.get("mcpu", "")) == host_cpu_name():
         status["cpu_flag"] = "amx_bf16" in host_cpu_flags()
         status["os_permission"] = request_amx_permission()[1]
@@ -114,20 +109,27 @@ def llvm_hw_key(target) -> str:
     cpu-x86_64-znver4-avx512, cpu-x86_64-sapphirerapids-avx512, cpu-aarch64-generic-neon.
     The CPU model is part of it because two CPUs with the same ISA differ in what a good
     schedule is (znver4 runs AVX-512 as 2x256-bit, sapphirerapids has two 512-bit FMA ports)."""
+    from schedules.cpu.common import vector_isa
+
     triple = str(target.attrs.get("mtriple", "") or "")
     arch = triple.split("-")[0] if triple else os.uname().machine
     if arch == "arm64":
         arch = "aarch64"
     cpu = str(target.attrs.get("mcpu", "") or "") or "generic"
-    if arch == "aarch64":
-        isa = "neon"
-    else:
-        isa = "sse"
-        for name, feat in (("avx512", "avx512f"), ("avx2", "avx2")):
-            if _has_feature(feat, target):
-                isa = name
-                break
-    return f"cpu-{arch}-{cpu}-{isa}"
+    isa = "neon" if arch == "aarch64" else vector_isa(target)
+    return f"cpu-{arch}-{cpu}-{'sse' if isa == 'generic' else isa}"
+
+
+@functools.lru_cache(maxsize=None)
+def _int8_act_kernel(fmt: str, K: int, N: int, out_dtype: str):
+    """The int8-activation kernel of one (format, shape), made once per process: it is written
+    in TVMScript, and parsing it took ~3 s per linear layer (most of a q4 build's passes),
+    while a model has only a few distinct linear shapes. PrimFuncs are immutable: sharing is safe."""
+    from schedules.cpu.int8_act_matmul import int8_act_matmul_func
+
+    from ..quantization.formats import get_format
+
+    return int8_act_matmul_func(get_format(fmt), K, N, out_dtype)
 
 
 @register_target("llvm")
@@ -141,7 +143,7 @@ class LLVMTarget(TargetSpec):
         super().__init__(arch=arch, **options)
         self.isa_arch, self.cpu = parse_arch(arch)
 
-    def tvm_target(self):
+    def make_tvm_target(self):
         import tvm
 
         if self.isa_arch == "aarch64" and os.uname().machine != "aarch64":
@@ -155,24 +157,41 @@ class LLVMTarget(TargetSpec):
                                   "num-cores": default_num_threads()})
 
     def vector_isa(self) -> str:
-        """The widest SIMD the target has: avx512, avx2, neon or sse."""
-        import tvm
+        """The widest SIMD the target has: avx512, avx2, neon or sse (the rules' probe,
+        schedules/cpu/common.py)."""
+        from schedules.cpu.common import vector_isa
 
-        t = self.tvm_target()
-        if "aarch64" in str(t.attrs.get("mtriple", "")):
-            return "neon"
-        for isa, feat in (("avx512", "avx512f"), ("avx2", "avx2")):
-            if tvm.target.codegen.llvm_cpu_has_features(feat, t):
-                return isa
-        return "sse"
+        isa = vector_isa(self.tvm_target())
+        return "sse" if isa == "generic" else isa
 
     def supports_int8_dot(self) -> bool:
         """AVX-512 VNNI (vpdpbusd), which the int8-activation kernels (schedules/cpu/int8_act_matmul.py) use."""
-        import tvm
+        from schedules.cpu.common import has_feature, target_arch
 
         t = self.tvm_target()
-        return "aarch64" not in str(t.attrs.get("mtriple", "")) and bool(
-            tvm.target.codegen.llvm_cpu_has_features("avx512vnni", t))
+        return target_arch(t) == "x86_64" and has_feature("avx512vnni", t)
+
+    def quantized_matmul_kernel(self, fmt: str, K: int, N: int, out_dtype: str):
+        """The int8-activation kernel (schedules/cpu/int8_act_matmul.py), one per shape."""
+        return _int8_act_kernel(fmt, K, N, out_dtype)
+
+    def cache_kernels(self, kv_mod, attn, dtype: str, page_size: int) -> dict:
+        """Our CPU attention kernels for any page size (TVM's are scalar and serial), see
+        targets/attention.py."""
+        from .attention import cpu_cache_kernels
+
+        return cpu_cache_kernels(kv_mod, attn, dtype, page_size)
+
+    def rule_grid(self, mod, only: str | None = None) -> list:
+        from schedules.cpu.tile_grid import grid_schedules
+
+        return grid_schedules(mod, self.tvm_target(), only)
+
+    def tile_table_name(self) -> str:
+        """The row of schedules/cpu/microarch.py the rules use for this CPU."""
+        from schedules.cpu.microarch import tile_row
+
+        return tile_row(self.tvm_target()).name
 
     def hw_key(self) -> str:
         return llvm_hw_key(self.tvm_target())
@@ -181,8 +200,10 @@ class LLVMTarget(TargetSpec):
         """How bfloat16 weight matmuls are computed for this CPU: "vdpbf16ps" where the target
         has AVX512-BF16 (znver4, cooperlake, sapphirerapids...; schedules/cpu/bf16_dot.py),
         else "widen+fma" (bf16 widened to fp32 in registers, float32 FMAs)."""
+        from schedules.cpu.common import has_feature
+
         t = self.tvm_target()
-        if "aarch64" not in str(t.attrs.get("mtriple", "")) and _has_feature("avx512bf16", t):
+        if "aarch64" not in str(t.attrs.get("mtriple", "")) and has_feature("avx512bf16", t):
             return "vdpbf16ps"
         return "widen+fma"
 
@@ -210,14 +231,10 @@ class LLVMTarget(TargetSpec):
         transform_params that the build runs once (schedules/cpu/prepack.py)."""
         from schedules.cpu import cpu_schedule_pass
         from schedules.cpu.fast_math import register_fast_exp
-        from schedules.cpu.prepack import (DedupPrimFuncs, DropSplitOriginals,
-                                           LiftPackedWeights, MarkWeightsLayoutFree,
-                                           SplitLayoutRewritePreprocAnyBody)
+        from schedules.cpu.prepack import MarkWeightsLayoutFree, prepack_passes
 
         register_fast_exp()  # vector exp for SiLU and softmax instead of one expf per lane
-        return [MarkWeightsLayoutFree(), cpu_schedule_pass(self),
-                SplitLayoutRewritePreprocAnyBody(), DedupPrimFuncs(), LiftPackedWeights(),
-                DropSplitOriginals()]
+        return [MarkWeightsLayoutFree(), cpu_schedule_pass(), *prepack_passes()]
 
     def export_library(self, executable, path: str, workspace_dir: str | None = None) -> None:
         if self.isa_arch != os.uname().machine:

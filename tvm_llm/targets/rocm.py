@@ -26,28 +26,25 @@ import math
 import os
 import tempfile
 
-from .base import TargetSpec, register_target
-from .cuda import host_target
-from ..errors import UserError
+from .registry import register_target
+from .gpu import GPUTargetSpec, host_target
 
 ROCM_ARCHS = {"gfx90a": "CDNA2 (MI200)", "gfx942": "CDNA3 (MI300)"}
 DEFAULT_ARCH = "gfx942"
 
 
 @register_target("rocm")
-class ROCmTarget(TargetSpec):
+class ROCmTarget(GPUTargetSpec):
     name = "rocm"
-    default_dtype = "float16"
     device_type = "rocm"
+    archs = ROCM_ARCHS
+    default_arch = DEFAULT_ARCH
 
     def __init__(self, arch: str | None = None, **options):
-        arch = arch or DEFAULT_ARCH
-        if arch not in ROCM_ARCHS:
-            raise UserError(f"unknown --arch {arch!r} for rocm: choose one of {', '.join(ROCM_ARCHS)}")
         super().__init__(arch=arch, **options)
         install_rocm_toolchain()
 
-    def tvm_target(self):
+    def make_tvm_target(self):
         import tvm
 
         return tvm.target.Target({
@@ -56,18 +53,10 @@ class ROCmTarget(TargetSpec):
             "thread_warp_size": 64, "max_shared_memory_per_block": 65536,
         })
 
-    def hw_key(self) -> str:
-        return f"rocm-{self.arch}"
-
     def schedule_passes(self) -> list:
         from schedules.rocm import rocm_schedule_passes
 
-        return rocm_schedule_passes(self)
-
-    def tir_pipeline(self):
-        from schedules.cuda import tensor_core_tir_pipeline
-
-        return tensor_core_tir_pipeline()
+        return rocm_schedule_passes()
 
     def pass_context_config(self) -> dict:
         # CSE hoists threadIdx.x out of warp-buffer indices, which LowerWarpMemory then rejects

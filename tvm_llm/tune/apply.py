@@ -120,7 +120,7 @@ def apply_tuning_log(mod, target_spec, log_dir: str, warn=None):
         label = grid_label(rec)
         if label is not None:  # our rule at a measured tile (tvm_llm.tune.rule_grid)
             try:
-                sch = schedule_at(wl, target, label)
+                sch = schedule_at(wl, target_spec, label)
             except Exception:  # pylint: disable=broad-except
                 sch = None
             if sch is None:

@@ -1,5 +1,6 @@
 """Our own search space for our matmul rules: every register tile of the target CPU's row of
-schedules/cpu/microarch.py, measured on the machine.
+schedules/cpu/microarch.py (the target's `rule_grid`, schedules/cpu/tile_grid.py), measured
+on the machine.
 
 MetaSchedule's generic CPU space does not reach our hand-written matmul schedules (no rfactor
 for large spatial extents, no weight layout rewrite), so tuning it alone never corrects a tile
@@ -22,44 +23,6 @@ def grid_label(record) -> str | None:
     return marked_label(record, RULE_GRID_MARK)
 
 
-def grid_schedules(mod, target, only: str | None = None) -> list:
-    """[(label, Schedule)] of the static kernel `mod` ("main") under our matmul rules, one per
-    tile of the target's microarch row (only the point labelled `only`, if given); [] when no
-    matmul rule claims it."""
-    from schedules.cpu import common, microarch
-    from schedules.cpu.gemm import GEMM
-    from schedules.cpu.gemv import GEMV, gemv_tile
-
-    func = mod["main"]
-    if not common.is_llvm_cpu(target):
-        return []
-    row = microarch.tile_row(target)
-    out, seen = [], set()
-    with target:
-        if GEMM().apply(func, target, False) is not None:
-            points = [("GEMM", t, GEMM(tile=t)) for t in row.gemm]
-        elif GEMV().apply(func, target, False) is not None:
-            prepared = common.prepare_matmul(func, allow_computed_b=True)
-            pat = prepared[1]
-            _, _, lanes = gemv_tile(target, pat.N, pat.K, pat.dtype, pat.decode_like)
-            tiles = row.gemv_decode if pat.decode_like else row.gemv_prefill
-            points = [("GEMV", t, GEMV(tile=(t[0], t[1], lanes))) for t in tiles
-                      if pat.N % t[1] == 0
-                      and t[0] * t[1] * lanes * 4 < common.MAX_STACK_BYTES]
-        else:
-            return []
-        for kind, tile, rule in points:
-            label = f"{kind} {tile[0]}x{tile[1]}"
-            if label in seen or (only is not None and label != only):
-                continue
-            sch = rule.apply(func, target, False)
-            if sch is None:
-                continue
-            seen.add(label)
-            out.append((label, sch))
-    return out
-
-
 def grid_record(mod, label: str, run_secs, target, args):
     """The log record of grid point `label` of workload `mod`: a trace that only marks it."""
     from tvm.s_tir import Schedule
@@ -70,9 +33,9 @@ def grid_record(mod, label: str, run_secs, target, args):
     return TuningRecord(sch.trace, Workload(mod), run_secs, target, args)
 
 
-def schedule_at(mod, target, label: str):
+def schedule_at(mod, target_spec, label: str):
     """Our rule's schedule of workload `mod` at grid point `label`, or None."""
-    points = grid_schedules(mod, target, only=label)
+    points = target_spec.rule_grid(mod, only=label)
     return points[0][1] if points else None
 
 
@@ -91,7 +54,7 @@ def measure_rule_grid(task, spec, builder, runner, db, log) -> dict:
     wl = db.commit_workload(static)
     done = measured_labels(db, wl)
     try:
-        points = [(lab, sch) for lab, sch in grid_schedules(static, target) if lab not in done]
+        points = [(lab, sch) for lab, sch in spec.rule_grid(static) if lab not in done]
     except Exception as e:  # pylint: disable=broad-except
         log(f"[tvm-llm]   rule grid not available for {task.name} ({str(e)[:120]})")
         return {}

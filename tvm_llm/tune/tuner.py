@@ -389,7 +389,7 @@ def tune_module(mod, spec, buckets, trials: int = DEFAULT_TRIALS, log_dir: str |
             measure_generic(t, spec, builder, runner, db, log)
         if grid:
             log("[tvm-llm] measuring our matmul rules at each register tile of the "
-                f"{_tile_row_name(spec)} row (schedules/cpu/microarch.py)")
+                f"{spec.tile_table_name()} row (schedules/cpu/microarch.py)")
         for t in grid:
             if stop["stop"]:
                 raise KeyboardInterrupt
@@ -458,11 +458,6 @@ def tune_module(mod, spec, buckets, trials: int = DEFAULT_TRIALS, log_dir: str |
     _print_summary(summary, log)
     return summary
 
-
-def _tile_row_name(spec) -> str:
-    from schedules.cpu.microarch import tile_row
-
-    return tile_row(spec.tvm_target()).name
 
 
 def _is_interrupt(e: BaseException) -> bool:

@@ -1,8 +1,10 @@
-"""CUDA rules: tensor-core GEMM (ldmatrix + mma.sync) for prefill, GEMV for decode.
+"""GPU rules, CUDA and ROCm: the tensor-core GEMM (ldmatrix + mma.sync; MFMA with 64x64
+wavefront tiles, int8 16x16x32 on gfx942) for prefill, the GEMV for decode.
 
-No GPU here: the rules' claims and generated PTX are checked, and each rule's loop structure
-is run on the CPU with thread bindings serialised and the tensor intrinsics left as their
-plain descriptions (schedules.cuda.verify), against numpy.
+No GPU here: the rules' claims, generated PTX and AMDGPU assembly are checked, and each rule's
+loop structure is run on the CPU with thread bindings serialised and the tensor intrinsics
+left as their plain descriptions (tests/gpu_verify.py), against numpy. The tests both targets
+share are parametrized over the target; the rest are each target's own.
 """
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ import re
 import numpy as np
 import pytest
 import tvm
+from tvm import te
 from tvm.script import ir as I
 from tvm.script import relax as R
 
 K, N = 80, 320   # neither a multiple of the 32-wide K tile nor of the 128-wide N tile
-
+ARCHS = {"cuda": "sm_80", "rocm": "gfx942"}
 
 @I.ir_module
 class Model:
@@ -44,18 +47,40 @@ def _silu(v):
     return v / (1 + np.exp(-v))
 
 
-@pytest.fixture(scope="module")
-def spec():
+def _spec(kind):
     from tvm_llm.targets import get_target
 
-    return get_target("cuda", arch="sm_80")
+    return get_target(kind, arch=ARCHS[kind])
+
+
+def _rules(kind, **options):
+    """(tensor-core GEMM rule, decode GEMV rule) of the target."""
+    if kind == "cuda":
+        from schedules.cuda import cuda_rules
+
+        gemm, gemv = cuda_rules(**options)
+    else:
+        from schedules.rocm import rocm_rules
+
+        gemm, _, gemv = rocm_rules(**options)
+    return gemm, gemv
 
 
 @pytest.fixture(scope="module")
-def kernels(spec):
+def spec():
+    return _spec("cuda")
+
+
+@pytest.fixture(scope="module")
+def rocm_spec():
+    return _spec("rocm")
+
+
+@pytest.fixture(scope="module")
+def kernels():
     """{"prefill"|"decode": the fused matmul PrimFunc}, bounds annotated as the build does."""
-    from schedules.cuda.analysis import AnnotateSymbolicBounds
-    from schedules.cuda.verify import lower_for_scheduling
+    from gpu_verify import lower_for_scheduling
+    from schedules.gpu.analysis import AnnotateSymbolicBounds
 
     mod = AnnotateSymbolicBounds()(lower_for_scheduling(Model))
     found = {}
@@ -67,11 +92,11 @@ def kernels(spec):
     return found
 
 
-def test_rules_claim_prefill_gemm_and_decode_gemv(spec, kernels):
-    from schedules.cuda import cuda_rules
-
-    tensor_core, gemv = cuda_rules()
-    target = spec.tvm_target()
+# ------------------------------------------------------------------ both targets
+@pytest.mark.parametrize("kind", ["cuda", "rocm"])
+def test_rules_claim_prefill_gemm_and_decode_gemv(kind, kernels):
+    tensor_core, gemv = _rules(kind)
+    target = _spec(kind).tvm_target()
     assert tensor_core.claims(kernels["prefill"], target)
     assert not tensor_core.claims(kernels["decode"], target)   # b <= 8: decode
     with target:
@@ -79,21 +104,14 @@ def test_rules_claim_prefill_gemm_and_decode_gemv(spec, kernels):
         assert gemv.apply(kernels["prefill"], target, False) is None  # n <= 512: not a GEMV
 
 
-def test_tensor_core_rule_needs_sm80(kernels):
-    from schedules.cuda import cuda_rules
+@pytest.mark.parametrize("kind,n", [(k, n) for k in ("cuda", "rocm") for n in (1, 77, 300)])
+def test_tensor_core_schedule_numerics_on_cpu(kind, kernels, n):
+    from gpu_verify import run_on_cpu
 
-    old = tvm.target.Target({"kind": "cuda", "arch": "sm_75", "host": {"kind": "llvm"}})
-    assert not cuda_rules()[0].claims(kernels["prefill"], old)
-
-
-@pytest.mark.parametrize("n", [1, 77, 300])
-def test_tensor_core_schedule_numerics_on_cpu(spec, kernels, n):
-    from schedules.cuda import cuda_rules
-    from schedules.cuda.verify import run_on_cpu
-
-    rule = cuda_rules(tensorize=False, narrow=False)[0]
-    with spec.tvm_target():
-        sch = rule.apply(kernels["prefill"], spec.tvm_target(), False)
+    rule, _ = _rules(kind, tensorize=False, narrow=False)
+    target = _spec(kind).tvm_target()
+    with target:
+        sch = rule.apply(kernels["prefill"], target, False)
     rng = np.random.default_rng(n)
     x = rng.standard_normal((1, n, K)).astype("float16")
     w = rng.standard_normal((N, K)).astype("float16")
@@ -104,14 +122,15 @@ def test_tensor_core_schedule_numerics_on_cpu(spec, kernels, n):
     np.testing.assert_allclose(out.astype("float32"), ref, rtol=4e-3, atol=4e-3)
 
 
-@pytest.mark.parametrize("b", [1, 3, 8])
-def test_gemv_schedule_numerics_on_cpu(spec, kernels, b):
-    from schedules.cuda import cuda_rules
-    from schedules.cuda.verify import run_on_cpu
+@pytest.mark.parametrize("kind,b", [("cuda", 1), ("cuda", 3), ("cuda", 8), ("rocm", 2),
+                                    ("rocm", 8)])
+def test_gemv_schedule_numerics_on_cpu(kind, kernels, b):
+    from gpu_verify import run_on_cpu
 
-    rule = cuda_rules()[1]
-    with spec.tvm_target():
-        sch = rule.apply(kernels["decode"], spec.tvm_target(), False)
+    _, rule = _rules(kind)
+    target = _spec(kind).tvm_target()
+    with target:
+        sch = rule.apply(kernels["decode"], target, False)
     rng = np.random.default_rng(b)
     x = rng.standard_normal((b, 1, K)).astype("float16")
     w = rng.standard_normal((N, K)).astype("float16")
@@ -119,6 +138,14 @@ def test_gemv_schedule_numerics_on_cpu(spec, kernels, b):
     (out,) = run_on_cpu(sch.mod["main"], [x, w, r], [(b, 1, N)], ["float16"])
     ref = ((x.astype("float32") @ w.astype("float32").T).astype("float16") + r).astype("float32")
     np.testing.assert_allclose(out.astype("float32"), ref, rtol=4e-3, atol=4e-3)
+
+
+# ------------------------------------------------------------------ CUDA
+def test_tensor_core_rule_needs_sm80(kernels):
+    from schedules.cuda import cuda_rules
+
+    old = tvm.target.Target({"kind": "cuda", "arch": "sm_75", "host": {"kind": "llvm"}})
+    assert not cuda_rules()[0].claims(kernels["prefill"], old)
 
 
 def test_fragment_layout_matches_ptx_isa():
@@ -145,7 +172,7 @@ def test_fragment_layout_matches_ptx_isa():
 @pytest.fixture(scope="module")
 def compiled(spec, tmp_path_factory):
     """The model built as the build does for sm_80, exported with PTX."""
-    from schedules.cuda.verify import lower_for_scheduling
+    from gpu_verify import lower_for_scheduling
 
     target = spec.tvm_target()
     with target, tvm.transform.PassContext(opt_level=3, config=spec.pass_context_config()):
@@ -221,8 +248,8 @@ def test_scheduled_kernels_run_inside_the_relax_vm(kernels):
     from tvm import relax
 
     from schedules.cuda import cuda_rules
-    from schedules.cuda.analysis import AnnotateSymbolicBounds
-    from schedules.cuda.verify import lower_for_scheduling, serialize_threads
+    from schedules.gpu.analysis import AnnotateSymbolicBounds
+    from gpu_verify import lower_for_scheduling, serialize_threads
     from tvm_llm.targets import get_target
 
     target = get_target("cuda").tvm_target()
@@ -244,3 +271,106 @@ def test_scheduled_kernels_run_inside_the_relax_vm(kernels):
         y = (x.astype("float32") @ w.astype("float32").T).astype("float16").astype("float32")
         ref = (_silu(y) if fn == "prefill" else y) + r.astype("float32")
         np.testing.assert_allclose(out, ref, rtol=5e-3, atol=5e-3)
+
+
+# ------------------------------------------------------------------ ROCm
+def test_int8_rule_leaves_fp16_matmuls_to_the_mfma_rule(rocm_spec, kernels):
+    from schedules.rocm import rocm_rules
+
+    assert not rocm_rules()[1].claims(kernels["prefill"], rocm_spec.tvm_target())
+
+
+def test_wavefront_tile_is_64x64(rocm_spec, kernels):
+    """2x2 wavefronts of 64 lanes per workgroup; each wavefront runs 4x4 MFMA 16x16 per
+    16-wide K step (a 64x64 output tile) and 2 K steps per 32-wide LDS tile."""
+    from schedules.rocm import rocm_rules
+
+    target = rocm_spec.tvm_target()
+    with target:
+        sch = rocm_rules()[0].apply(kernels["prefill"], target, False)
+    loops = [sch.get(loop) for loop in sch.get_loops(sch.get_sblock("NT_matmul_o_update"))]
+    threads = {str(lp.thread_binding.thread_tag): lp.extent for lp in loops
+               if lp.thread_binding is not None}
+    serial = [int(lp.extent) for lp in loops if lp.thread_binding is None and isinstance(lp.extent, tvm.tirx.IntImm)]
+    assert int(threads["threadIdx.y"]) == 4              # 2 x 2 wavefronts
+    assert serial[-3:] == [2, 4, 4]                      # K steps per LDS tile, 4x4 MFMA tiles
+    text = sch.mod.script()
+    assert text.count("llvm.amdgcn.mfma.f32.16x16x16f16") == 1
+    assert re.search(r'T\.launch_thread\("threadIdx\.x", (T\.int64\()?64\b', text)  # 64-lane waves
+
+
+def test_fragment_layouts_match_mfma_operand_layout():
+    """CDNA MFMA 16x16 layouts (AMD matrix instruction calculator): for 16x16x16 f16 lane l
+    holds A[l % 16][4 (l // 16) + v] and B[4 (l // 16) + v][l % 16] (v < 4); 16x16x32 i8 the
+    same with 8 (l // 16) + v (v < 8); the accumulator D[4 (l // 16) + v][l % 16]."""
+    from schedules.rocm.intrinsics import accumulator_layout, operand_layout, operand_layout_k32
+
+    for lane in range(64):
+        for v in range(4):
+            assert operand_layout(lane % 16, 4 * (lane // 16) + v) == (lane, v)  # A (i, k), W (n, k)
+            assert accumulator_layout(4 * (lane // 16) + v, lane % 16) == (lane, v)
+        for v in range(8):
+            assert operand_layout_k32(lane % 16, 8 * (lane // 16) + v) == (lane, v)
+
+
+def _int8_kernel(m=96, n=192, k=160):
+    a = te.placeholder((1, m, k), "int8", name="A")
+    w = te.placeholder((n, k), "int8", name="W")
+    r = te.reduce_axis((0, k), name="k")
+    c = te.compute((1, m, n), lambda b, i, j: te.sum(a[b, i, r].astype("int32") * w[j, r].astype("int32"), axis=r), name="C")
+    return te.create_prim_func([a, w, c])
+
+
+def test_int8_mfma_k32_emits_v_mfma_i32_16x16x32_i8(rocm_spec):
+    from schedules.rocm import rocm_rules
+
+    target = rocm_spec.tvm_target()
+    with target:
+        sch = rocm_rules()[1].apply(_int8_kernel(), target, False)
+    mod = tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")})
+    with tvm.transform.PassContext(opt_level=3, config=rocm_spec.pass_context_config()):
+        ex = tvm.compile(mod, target=target, tir_pipeline=rocm_spec.tir_pipeline())
+    asm = ex.mod.imports[0].inspect_source("asm")
+    ops = re.findall(r"^\s*(v_mfma_\w+)", asm, re.M)
+    assert ops and set(ops) == {"v_mfma_i32_16x16x32_i8"}
+    assert len(ops) % 16 == 0
+
+
+def test_int8_mfma_k32_not_on_gfx90a():
+    from schedules.rocm import rocm_rules
+    from tvm_llm.targets import get_target
+
+    target = get_target("rocm", arch="gfx90a").tvm_target()
+    assert not rocm_rules()[1].claims(_int8_kernel(), target)
+
+
+def test_int8_schedule_numerics_on_cpu(rocm_spec):
+    from gpu_verify import run_on_cpu
+    from schedules.rocm import rocm_rules
+
+    with rocm_spec.tvm_target():
+        sch = rocm_rules(tensorize=False, narrow=False)[1].apply(_int8_kernel(), rocm_spec.tvm_target(), False)
+    rng = np.random.default_rng(0)
+    a = rng.integers(-128, 128, (1, 96, 160)).astype("int8")
+    w = rng.integers(-128, 128, (192, 160)).astype("int8")
+    (out,) = run_on_cpu(sch.mod["main"], [a, w], [(1, 96, 192)], ["int32"])
+    np.testing.assert_array_equal(out, a.astype("int32") @ w.astype("int32").T)
+
+
+@pytest.mark.parametrize("arch", ["gfx90a", "gfx942"])
+def test_model_assembly_uses_mfma(arch, tmp_path):
+    from gpu_verify import lower_for_scheduling
+    from tvm_llm.targets import get_target
+
+    spec = get_target("rocm", arch=arch)
+    target = spec.tvm_target()
+    with target, tvm.transform.PassContext(opt_level=3, config=spec.pass_context_config()):
+        mod = tvm.transform.Sequential(spec.schedule_passes())(lower_for_scheduling(Model))
+        ex = tvm.compile(mod, target=target, tir_pipeline=spec.tir_pipeline())
+    files = spec.emit_source(ex, str(tmp_path))
+    asm = open(tmp_path / "device.s").read()
+    ops = re.findall(r"^\s*(v_mfma_\w+)", asm, re.M)
+    # gfx90a spells it v_mfma_f32_16x16x16f16, gfx942 v_mfma_f32_16x16x16_f16
+    assert ops and all(re.fullmatch(r"v_mfma_f32_16x16x16_?f16", op) for op in ops), set(ops)
+    assert len(ops) % 16 == 0                          # 4x4 per wavefront per K step
+    assert "host.s" in [f.rsplit("/", 1)[-1] for f in files]

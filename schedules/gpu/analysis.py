@@ -1,4 +1,4 @@
-"""Kernel analysis shared by the GPU rules (CUDA here, ROCm imports it too).
+"""Kernel analysis shared by the GPU rules (schedules/cuda and schedules/rocm).
 
 - `find_matmul`: the single reduction block of a fused kernel if it is a matmul
   C[S, I, J] += A[S, I, K] * B[S, J, K] (dlight's normalisation; B is W (N, K) for x @ W^T).
@@ -75,6 +75,19 @@ def find_matmul(sch: s_tir.Schedule) -> Matmul | None:
 
     return Matmul(block, stmt.name_hint, str(a.source.dtype), str(b.source.dtype),
                   str(stmt.body.buffer.dtype), k_innermost(a) and k_innermost(b))
+
+
+def normalize_matmul(sch: s_tir.Schedule, main) -> None:
+    """Bring the matmul block `main` to C[S, I, J] += A[S, I, K] * B[S, J, K] (dlight's
+    reindex: each operand through a reindex block, the block's iterators fused to S, I, J, K)."""
+    reindex_a = sch.reindex(main, ("read", 0))
+    reindex_b = sch.reindex(main, ("read", 1))
+    reindex_c = sch.reindex(main, ("write", 0))
+    matmul_map, a_map, b_map, c_map = get_index_map(sch.get(main))
+    sch.transform_layout(reindex_a, ("write", 0), a_map)
+    sch.transform_layout(reindex_b, ("write", 0), b_map)
+    sch.transform_layout(reindex_c, ("read", 0), c_map)
+    sch.transform_block_layout(main, matmul_map)
 
 
 def widen_accumulator(func: tirx.PrimFunc, block_name: str, acc_dtype: str = "float32"):

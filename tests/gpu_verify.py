@@ -60,36 +60,16 @@ def run_on_cpu(func: tirx.PrimFunc, inputs: list, out_shapes: list, out_dtypes: 
     return [o.numpy() for o in outs]
 
 
-def kv_cache_module(target, dtype: str = "float16", num_layers: int = 2, num_heads: int = 4,
+def kv_cache_module(spec, dtype: str = "float16", num_layers: int = 2, num_heads: int = 4,
                     num_kv_heads: int = 2, head_dim: int = 64):
-    """A module with one function, `create_paged_kv_cache`, that builds TVM's paged KV cache
-    (TIRPagedKVCache: its attention, append and copy kernels) for `target`, the way the
-    frontend adds it to a model."""
-    from tvm import relax
-    from tvm.relax.frontend import nn
-    from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+    """A module with one function, `create_paged_kv_cache`, that builds the paged KV cache
+    (TVM's TIRPagedKVCache with the kernels the target spec replaces) as the frontend adds it
+    to a model."""
+    from tvm_llm.frontend.relax_import import AttentionShape, add_kv_cache_creation
 
-    class KVCache(nn.Module):
-        def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
-                                  prefill_chunk_size: tirx.Var, page_size: tirx.Var,
-                                  support_sliding_window: tirx.Var) -> PagedKVCache:
-            return TIRPagedKVCache(
-                attn_kind="mha", max_batch_size=max_batch_size,
-                max_total_seq_len=max_total_seq_len, prefill_chunk_size=prefill_chunk_size,
-                page_size=page_size, support_sliding_window=support_sliding_window,
-                layer_partition=relax.ShapeExpr([0, num_layers]), num_hidden_layers=num_layers,
-                num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                qk_head_dim=head_dim, v_head_dim=head_dim, mla_original_qk_head_dim=0,
-                mla_original_v_head_dim=0, rope_mode=RopeMode.NONE, rope_scale=1,
-                rope_theta=10000, rope_scaling={}, rope_ext_factors=relax.prim_value(0),
-                rotary_dim=head_dim, enable_disaggregation=False, dtype=dtype, target=target)
-
-    spec = {"create_paged_kv_cache": {
-        "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int,
-        "page_size": int, "support_sliding_window": int,
-        "$": {"param_mode": "none", "effect_mode": "none"}}}
-    mod, _ = KVCache().export_tvm(spec=spec)
-    return mod
+    attn = AttentionShape(num_layers, num_heads, num_kv_heads, head_dim, head_dim,
+                          [head_dim ** -0.5] * num_layers)
+    return add_kv_cache_creation(tvm.IRModule(), attn, dtype, spec)
 
 
 def build_with_target_spec(mod, spec):

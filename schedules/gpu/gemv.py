@@ -19,8 +19,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers, auto_inline_producers, get_index_map
 
-from .analysis import (find_matmul, narrow_indices, schedule_or_none, symbolic_bound,
-                       widen_accumulator)
+from .analysis import (find_matmul, narrow_indices, normalize_matmul, schedule_or_none,
+                       symbolic_bound, widen_accumulator)
 
 
 class DecodeGEMV(ScheduleRule):
@@ -72,14 +72,7 @@ class DecodeGEMV(ScheduleRule):
         vec = self._vec(mm.a_dtype)            # elements per 16-byte load
 
         # normalise to C[S, I, J] += A[S, I, K] * B[S, J, K]
-        reindex_a = sch.reindex(main, ("read", 0))
-        reindex_b = sch.reindex(main, ("read", 1))
-        reindex_c = sch.reindex(main, ("write", 0))
-        matmul_map, a_map, b_map, c_map = get_index_map(sch.get(main))
-        sch.transform_layout(reindex_a, ("write", 0), a_map)
-        sch.transform_layout(reindex_b, ("write", 0), b_map)
-        sch.transform_layout(reindex_c, ("read", 0), c_map)
-        sch.transform_block_layout(main, matmul_map)
+        normalize_matmul(sch, main)
         sch.pad_einsum(main, [1, rows, ts, lanes * vec])
         operands = [r.source for r in sch.get(main).reads[:2]]   # x (padded), W (maybe padded)
 

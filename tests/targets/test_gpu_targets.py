@@ -1,5 +1,7 @@
-"""ROCm target: arch choices, linking without ROCm (LLD 22 from ziglang), device math without
-ocml (lowered to what the AMDGPU backend emits inline), the exported library and sources."""
+"""GPU targets, CUDA and ROCm: arch choices and TVM target attributes (parametrized over
+the target); CUDA: PTX in the exported library, nvcc as TVM's compile callback; ROCm: linking
+without ROCm (LLD 22 from ziglang), device math without ocml (lowered to what the AMDGPU
+backend emits inline), the code object in the exported library; both: sources."""
 from __future__ import annotations
 
 import os
@@ -17,23 +19,129 @@ from tvm.script import relax as R
 EM_AMDGPU = 224
 
 
-def test_arch_default_and_validation():
+@I.ir_module
+class Small:
+    @R.function
+    def main(x: R.Tensor((1, "n", 64), "float16"), w: R.Tensor((128, 64), "float16")):
+        R.func_attr({"tir_var_upper_bound": {"n": 256}})
+        with R.dataflow():
+            y = R.nn.silu(R.matmul(x, R.permute_dims(w)))
+            R.output(y)
+        return y
+
+
+def _build_small(kind, arch, out):
+    """`Small` lowered, scheduled and compiled as the build does, exported to out/model.so."""
+    from gpu_verify import lower_for_scheduling
+    from tvm_llm.targets import get_target
+
+    spec = get_target(kind, arch=arch)
+    target = spec.tvm_target()
+    with target, tvm.transform.PassContext(opt_level=3, config=spec.pass_context_config()):
+        mod = tvm.transform.Sequential(spec.schedule_passes())(lower_for_scheduling(Small))
+        ex = tvm.compile(mod, target=target, tir_pipeline=spec.tir_pipeline())
+    path = str(out / "model.so")
+    spec.export_library(ex, path)
+    return spec, ex, path, out
+
+
+# ------------------------------------------------------------------ both targets
+@pytest.mark.parametrize("kind,default,other,bad,warp", [
+    ("cuda", "sm_80", "sm_90", "sm_70", 32), ("rocm", "gfx942", "gfx90a", "gfx1100", 64)])
+def test_arch_default_validation_and_tvm_target(kind, default, other, bad, warp):
+    """The default arch, the one-line refusal of an unknown one, and the target attributes
+    dlight and MetaSchedule need."""
     from tvm_llm.errors import UserError
     from tvm_llm.targets import get_target
 
-    spec = get_target("rocm")
-    assert spec.arch == "gfx942" and spec.default_dtype == "float16" and spec.device_type == "rocm"
-    assert spec.hw_key() == "rocm-gfx942"
-    target = spec.tvm_target()
-    assert target.kind.name == "rocm" and str(target.attrs["mcpu"]) == "gfx942"
-    assert target.host.kind.name == "llvm" and int(target.attrs["thread_warp_size"]) == 64
-    assert get_target("rocm", arch="gfx90a").hw_key() == "rocm-gfx90a"
+    spec = get_target(kind)
+    assert spec.arch == default and spec.default_dtype == "float16" and spec.device_type == kind
+    assert spec.hw_key() == f"{kind}-{default}"
+    assert get_target(kind, arch=other).hw_key() == f"{kind}-{other}"
     with pytest.raises(UserError) as err:
-        get_target("rocm", arch="gfx1100")
+        get_target(kind, arch=bad)
     msg = str(err.value)
-    assert "\n" not in msg and "gfx90a" in msg and "gfx942" in msg
+    assert "\n" not in msg and bad in msg and default in msg and other in msg
+    target = spec.tvm_target()
+    assert target.kind.name == kind and target.host.kind.name == "llvm"
+    assert str(target.attrs["arch" if kind == "cuda" else "mcpu"]) == default
+    for key in ("max_threads_per_block", "max_shared_memory_per_block", "thread_warp_size",
+                "max_num_threads"):
+        assert int(target.attrs[key]) > 0, key
+    assert int(target.attrs["thread_warp_size"]) == warp
+    described = spec.describe()
+    assert described["device_type"] == kind and described["hw_key"] == f"{kind}-{default}"
 
 
+# ------------------------------------------------------------------ CUDA
+def test_blob_rewrite_replaces_source_with_ptx():
+    from tvm_llm.targets.cuda import parse_library_blob, rewrite_cuda_modules, split_cuda_module
+
+    def s(b):
+        return struct.pack("<Q", len(b)) + b
+
+    fmap = s(b"opaque function table") + struct.pack("<Q", 7)
+    cuda = s(b"cuda") + fmap + s(b"extern \"C\" __global__ void k() {}")
+    # import tree: module 0 (the host library) imports module 1 (CUDA)
+    tree = struct.pack("<Q3Q", 3, 0, 1, 1) + struct.pack("<QQ", 1, 1)
+    body = tree + s(b"_lib") + s(b"cuda") + s(cuda)
+    blob = struct.pack("<Q", len(body)) + body
+    out = rewrite_cuda_modules(blob, lambda src: "// ptx for " + src)
+    mods = parse_library_blob(out)
+    assert [k for k, _ in mods] == ["_lib", "cuda"]
+    fmt, fmap2, code = split_cuda_module(mods[1][1])
+    assert fmt == "ptx" and fmap2 == fmap
+    assert code.rstrip(b"\0").decode().startswith("// ptx for extern")
+
+
+@pytest.fixture(scope="module")
+def cuda_built(tmp_path_factory):
+    return _build_small("cuda", "sm_90", tmp_path_factory.mktemp("cuda_small"))
+
+
+def test_exported_library_carries_ptx_not_source(cuda_built):
+    from tvm_llm.targets.cuda import parse_library_blob, read_library_blob, split_cuda_module
+
+    spec, ex, path, _ = cuda_built
+    with open(path, "rb") as f:
+        assert f.read(4) == b"\x7fELF"
+    kinds = parse_library_blob(read_library_blob(path))
+    cuda = [data for kind, data in kinds if kind == "cuda"]
+    assert len(cuda) == 1
+    fmt, _, code = split_cuda_module(cuda[0])
+    ptx = code.decode().rstrip("\0")
+    assert fmt == "ptx"
+    assert re.search(r"^\.version \d+\.\d+", ptx, re.M) and re.search(r"^\.target sm_90", ptx, re.M)
+    assert ".visible .entry" in ptx and "__global__" not in ptx
+    # the in-memory module still has the CUDA source for inspection
+    assert "__global__" in ex.mod.imports[0].imports[0].inspect_source("cuda")
+
+
+def test_emit_source_writes_cuda_ptx_and_host_asm(cuda_built):
+    spec, ex, _, out = cuda_built
+    files = spec.emit_source(ex, str(out / "src"))
+    names = sorted(os.path.basename(f) for f in files)
+    assert names == ["device.cu", "device.ptx", "host.s"]
+    cu = open(out / "src" / "device.cu").read()
+    ptx = open(out / "src" / "device.ptx").read()
+    assert "__global__" in cu and ".entry" in ptx
+    assert "mma.sync" in ptx  # the 64-wide N is padded to a tensor-core tile: still mma
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.commit_group" in ptx  # sm_90 too
+
+
+def test_compile_callback_is_nvcc_ptx():
+    """The global CUDA compile callback (used where TVM compiles at build or load time) gives
+    PTX from nvcc for the arch in scope, not NVRTC output."""
+    from tvm_llm.targets import get_target
+
+    get_target("cuda", arch="sm_90")
+    src = 'extern "C" __global__ void add_one(float* x) { x[threadIdx.x] += 1.0f; }'
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}):
+        ptx = bytes(tvm.get_global_func("tvm_callback_cuda_compile")(src)).decode()
+    assert ptx.startswith("//") and ".target sm_90" in ptx and "add_one" in ptx
+
+
+# ------------------------------------------------------------------ ROCm
 def _math_kernel(dtype: str):
     """One elementwise kernel per math op an LLM uses (softmax, norms, SiLU, GELU, RoPE)."""
     from tvm_llm.targets.rocm import MATH_OPS
@@ -149,38 +257,15 @@ def test_math_lowering_formulas_are_numerically_right():
             assert (got[b == 0] == 1).all()
 
 
-# ------------------------------------------------------------ export and sources
-@I.ir_module
-class Small:
-    @R.function
-    def main(x: R.Tensor((1, "n", 64), "float16"), w: R.Tensor((128, 64), "float16")):
-        R.func_attr({"tir_var_upper_bound": {"n": 256}})
-        with R.dataflow():
-            y = R.nn.silu(R.matmul(x, R.permute_dims(w)))
-            R.output(y)
-        return y
-
-
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    from schedules.cuda.verify import lower_for_scheduling
-    from tvm_llm.targets import get_target
-
-    spec = get_target("rocm", arch="gfx942")
-    target = spec.tvm_target()
-    with target, tvm.transform.PassContext(opt_level=3, config=spec.pass_context_config()):
-        mod = tvm.transform.Sequential(spec.schedule_passes())(lower_for_scheduling(Small))
-        ex = tvm.compile(mod, target=target, tir_pipeline=spec.tir_pipeline())
-    out = tmp_path_factory.mktemp("rocm_small")
-    path = str(out / "model.so")
-    spec.export_library(ex, path)
-    return spec, ex, path, out
+def rocm_built(tmp_path_factory):
+    return _build_small("rocm", "gfx942", tmp_path_factory.mktemp("rocm_small"))
 
 
-def test_exported_library_holds_the_code_object(built):
+def test_exported_library_holds_the_code_object(rocm_built):
     from tvm_llm.targets.cuda import parse_library_blob, read_library_blob, split_cuda_module
 
-    _, _, path, _ = built
+    _, _, path, _ = rocm_built
     modules = dict(parse_library_blob(read_library_blob(path)))
     assert "hip" in modules, list(modules)
     fmt, _, code = split_cuda_module(modules["hip"])   # same [fmt][fmap][code] layout
@@ -189,8 +274,8 @@ def test_exported_library_holds_the_code_object(built):
     assert b"amdhsa" in code
 
 
-def test_emit_source_writes_amdgpu_assembly(built):
-    spec, ex, _, out = built
+def test_emit_source_writes_amdgpu_assembly(rocm_built):
+    spec, ex, _, out = rocm_built
     files = spec.emit_source(ex, str(out / "src"))
     names = {os.path.basename(f) for f in files}
     assert {"device.s", "host.s"} <= names

@@ -35,8 +35,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumer_chain, auto_inline_producers, get_index_map
 
-from .analysis import (find_matmul, narrow_indices, schedule_or_none, symbolic_bound,
-                       widen_accumulator)
+from .analysis import (find_matmul, narrow_indices, normalize_matmul, schedule_or_none,
+                       symbolic_bound, widen_accumulator)
 
 
 @dataclass(frozen=True)
@@ -138,14 +138,7 @@ class TensorCoreMatmul(ScheduleRule):
         load_a, load_b, mma, fill = cfg.intrinsics[mm.a_dtype]
 
         # 1. normalise to C[S, I, J] += A[S, I, K] * B[S, J, K]
-        reindex_a = sch.reindex(main, ("read", 0))
-        reindex_b = sch.reindex(main, ("read", 1))
-        reindex_c = sch.reindex(main, ("write", 0))
-        matmul_map, a_map, b_map, c_map = get_index_map(sch.get(main))
-        sch.transform_layout(reindex_a, ("write", 0), a_map)
-        sch.transform_layout(reindex_b, ("write", 0), b_map)
-        sch.transform_layout(reindex_c, ("read", 0), c_map)
-        sch.transform_block_layout(main, matmul_map)
+        normalize_matmul(sch, main)
 
         # 2. pad to whole block tiles (symbolic n included)
         sch.pad_einsum(main, [1, cfg.block_m, cfg.block_n, cfg.k_tile])

@@ -1,0 +1,95 @@
+"""Our attention kernels in place of TVM's paged-KV-cache kernels, per target family.
+
+TVM's CPU attention kernels are scalar and serial, and its GPU kernels know no per-layer
+sliding windows, soft-caps or attention sinks; the kernels here (schedules/cpu/attention.py,
+schedules/cpu/mla_attention.py) replace them under the names the cache calls. The targets
+ask for them through `TargetSpec.cache_kernels`; the frontend installs what they return.
+"""
+from __future__ import annotations
+
+
+def layer_table(attn):
+    """The kernels' per-layer table (scales, windows, soft-caps, sinks) of a traced
+    frontend.AttentionShape; None when no layer has an attention variant."""
+    if not attn.variants:
+        return None
+    from schedules.cpu.attention import LayerTable
+
+    rows = [attn.variants.get(i, (0, 0.0, None)) for i in range(attn.num_layers)]
+    with_sinks = any(r[2] is not None for r in rows)
+    no_sink = [-1e30] * attn.num_heads  # exp(-1e30) = 0: the layer has no sink
+    return LayerTable(scales=tuple(attn.scales), windows=tuple(r[0] for r in rows),
+                      softcaps=tuple(r[1] for r in rows),
+                      sinks=tuple(tuple(r[2] if r[2] is not None else no_sink) for r in rows)
+                      if with_sinks else None)
+
+
+def cpu_cache_kernels(kv_mod, attn, dtype: str, page_size: int) -> dict:
+    """CPU: decode, ragged and paged prefill and the sliding-window page layout's kernels
+    (ours, honouring the layer table), MLA's latent decode, TVM's own page kernels (append,
+    compaction) rebuilt for `page_size`-token pages, and a bfloat16 fix for the q/k/v split."""
+    from schedules.cpu.attention import (decode_attention_func, prefill_paged_attention_func,
+                                         prefill_ragged_attention_func)
+
+    shape = (attn.num_kv_heads, attn.num_heads, attn.head_dim, dtype)
+    table = layer_table(attn)
+    kernels = {
+        "batch_decode_paged_kv_cpu": decode_attention_func(*shape, page_size=page_size,
+                                                           table=table),
+        "batch_prefill_ragged_kv": prefill_ragged_attention_func(*shape, table=table),
+        "batch_prefill_paged_kv_cpu": prefill_paged_attention_func(
+            *shape, page_size=page_size, table=table),
+        "batch_prefill_paged_kv_cpu_sliding_window": prefill_paged_attention_func(
+            *shape, page_size=page_size, table=table, sliding=True),
+        "batch_decode_paged_kv_cpu_sliding_window": decode_attention_func(
+            *shape, page_size=page_size, table=table, sliding=True),
+    }
+    if attn.latent:  # MLA: heads split over threads, values read from the K plane
+        from schedules.cpu.mla_attention import latent_decode_attention_func
+
+        kernels["batch_decode_paged_kv_cpu"] = latent_decode_attention_func(
+            attn.num_heads, attn.head_dim, dtype, page_size=page_size)
+    if page_size != 16:
+        kernels.update(_cpu_page_kernels(attn, dtype, page_size))
+    if dtype == "bfloat16" and "fused_rope" in {gv.name_hint for gv in kv_mod.get_global_vars()}:
+        # the q/k/v split kernel (fused_rope; rotary is off here, it only copies) fails LLVM
+        # codegen once vectorized in bfloat16 (TVM's bf16 legalization meets a Let in the
+        # vector loop): left to TVM's default lowering, serial and correct
+        kernels["fused_rope"] = kv_mod["fused_rope"].with_attr("tirx.is_scheduled", True)
+    return kernels
+
+
+def _cpu_page_kernels(attn, dtype: str, page_size: int) -> dict:
+    """TVM's own CPU page kernels (append, compaction) for `page_size`-token pages. (The
+    tree-attention kernel stays 16-token: speculative tree decoding is never used by our
+    runtime.)"""
+    from tvm.relax.frontend.nn.llm import _page_kernels as pk
+
+    h_kv, d = attn.num_kv_heads, attn.head_dim
+    kernels = {
+        "tir_kv_cache_transpose_append": pk._kv_cache_transpose_append(h_kv, d, dtype, page_size),
+        "compact_kv_copy_cpu": pk._compact_kv_copy_cpu(h_kv, d, dtype, page_size),
+    }
+    return {name: func.with_attr("global_symbol", name) for name, func in kernels.items()}
+
+
+def gpu_variant_kernels(attn, dtype: str) -> dict:
+    """GPU builds of a model with attention variants: our CPU kernels with their per-layer
+    table, one GPU thread per (row, KV head) item (`for_gpu`), in place of TVM's decode, paged
+    prefill and ragged prefill kernels (GPU pages hold 16 tokens)."""
+    from schedules.cpu.attention import (decode_attention_func, for_gpu,
+                                         prefill_paged_attention_func,
+                                         prefill_ragged_attention_func)
+
+    shape = (attn.num_kv_heads, attn.num_heads, attn.head_dim, dtype)
+    table = layer_table(attn)
+    kernels = {
+        "batch_decode_paged_kv": decode_attention_func(*shape, 16, table, vector=False),
+        "batch_decode_paged_kv_sliding_window": decode_attention_func(*shape, 16, table, True,
+                                                                      vector=False),
+        "batch_prefill_paged_kv": prefill_paged_attention_func(*shape, 16, table, vector=False),
+        "batch_prefill_paged_kv_sliding_window": prefill_paged_attention_func(
+            *shape, 16, table, True, vector=False),
+        "batch_prefill_ragged_kv": prefill_ragged_attention_func(*shape, table, vector=False),
+    }
+    return {name: for_gpu(func).with_attr("global_symbol", name) for name, func in kernels.items()}

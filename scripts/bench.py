@@ -174,24 +174,30 @@ def tvm_build_options(q: str) -> dict:
         return dict(dtype=FLOAT_BUILDS[q])
     if q.endswith("_a8"):
         return dict(quantization=q[:-3], activations="int8")
+    if q in CLI_RECIPES:  # q4 / q8 as `tvm-llm build --quantization` makes them
+        return dict(quantization=q, **CLI_RECIPES[q])
     return dict(quantization=q)
 
 
-def tvm_bytes_per_weight(q: str, arch: str | None = None) -> float:
-    """Bytes per matmul weight our kernels read for a --quantization entry (K = 768)."""
-    if q == "fp32":
-        return 4.0
-    if q in FLOAT_BUILDS:
-        return 2.0
-    from tvm_llm.quantization import parse_scheme
-    from tvm_llm.quantization.scheme import quantized_bytes
-    from tvm_llm.targets import get_target
+# The CLI's q4 is the automatic mix (q4_k with the most sensitive matrices and the LM head in
+# q8_0) under 4.6 bits per weight; its AWQ scaling only changes weight values, not the formats
+# or the kernels, so it is left out here (it would calibrate random weights, minutes on
+# llama-1b). q8 is q8_0 everywhere with or without AWQ.
+CLI_RECIPES = {"q4": {"bits_per_weight": 4.6, "calibrate": "none"}}
 
-    opts = tvm_build_options(q)
-    scheme = parse_scheme(opts["quantization"], activations=opts.get("activations"),
-                          int8_dot=get_target("llvm", arch=arch).supports_int8_dot())
-    layout = "vnni" if scheme.activations == "int8" else "rows"
-    return quantized_bytes(64, 768, scheme.format, layout) / (64 * 768)
+
+def stored_decode_bytes(out: str, shape: str) -> float:
+    """Bytes a decode step reads from our build's weights: every stored tensor but the
+    embedding lookup table (scripts/bench_quality.stored_bytes), as the build laid them out
+    (mixed formats, scales, packing included)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_quality import stored_bytes
+
+    with open(os.path.join(out, "manifest.json")) as f:
+        manifest = json.load(f)
+    s = SHAPES[shape]
+    return float(stored_bytes(manifest["params"], s["vocab_size"], s["hidden_size"],
+                              (manifest.get("quantization") or {}).get("quantized") or {})[0])
 
 
 def model_costs(shape: str, context: int, bytes_per_weight: float = 4.0,
@@ -280,8 +286,9 @@ def main(argv=None):
                 kw["arch"] = args.arch
             out, name = build_model(ckpt, args.shape, args.rebuild, tag=tag, **kw), f"tvm_llm {tag}"
         runners.append(TvmRunner(out, args.threads, name=name))
-        per_system[name] = model_costs(args.shape, context, tvm_bytes_per_weight(q, args.arch),
-                                       2 if q in FLOAT_BUILDS else 4)
+        costs = model_costs(args.shape, context, 0.0, 2 if q in FLOAT_BUILDS else 4)
+        costs["decode_bytes"] += stored_decode_bytes(out, args.shape)  # KV + stored weights
+        per_system[name] = costs
     if args.llamacpp:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import llamacpp_ref

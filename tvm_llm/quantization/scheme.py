@@ -191,6 +191,3 @@ def fake_quantize_np(w: np.ndarray, scheme: QuantScheme) -> np.ndarray:
 
     return fake_quantize(w, scheme.format)
 
-
-def quantized_bytes(N: int, K: int, fmt: str, layout: str) -> int:
-    return sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in packed_shapes(get_format(fmt), N, K, layout))

@@ -7,16 +7,17 @@ from __future__ import annotations
 import torch
 
 from tvm_llm.quantization.formats import fake_quantize, fake_quantize_activation
+from tvm_llm.quantization.simulation import WeightSwap
 
 
-class Simulated:
+class Simulated(WeightSwap):
     """Context manager: every weight the build's report lists computes, inside transformers,
     with the fake-quantized weight of its format (and int8-rounded inputs where the build uses
     int8 activations)."""
 
     def __init__(self, model, quantized):
+        super().__init__()
         self.model, self.quantized = model, quantized or {}
-        self.hooks, self.saved = [], []
 
     def __enter__(self):
         done = set()
@@ -33,9 +34,3 @@ class Simulated:
                     self.hooks.append(mod.register_forward_pre_hook(
                         lambda _m, a: (torch.from_numpy(fake_quantize_activation(a[0].numpy())),) + a[1:]))
         return self
-
-    def __exit__(self, *exc):
-        for mod, w in self.saved:
-            mod.weight.data = w
-        for h in self.hooks:
-            h.remove()

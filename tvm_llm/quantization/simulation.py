@@ -66,14 +66,29 @@ def round_input_blocks(_mod, args):
     return ((q * (amax / 127.0)).reshape(x.shape).to(x.dtype),) + tuple(args[1:])
 
 
-class SimulatedPlan:
+class WeightSwap:
+    """Base of the simulation context managers: keeps the weights it replaced (`saved`: module,
+    original tensor) and the hooks it added, and restores both on exit."""
+
+    def __init__(self):
+        self.saved, self.hooks = [], []
+
+    def __exit__(self, *exc):
+        for mod, w in self.saved:
+            mod.weight.data = w
+        for h in self.hooks:
+            h.remove()
+
+
+class SimulatedPlan(WeightSwap):
     """Context manager: the model's linears compute with their QuantPlan round trip (weights by
     formats.fake_quantize in the format the build gives their merged linear, with the plan's
     importance; inputs rounded per 32-block for int8 activations). `only`: weight names to
     quantize (default: all). The LM head must be untied first (untie_head)."""
 
     def __init__(self, model, plan, only=None):
-        self.plan, self.saved, self.hooks = plan, [], []
+        super().__init__()
+        self.plan = plan
         self.linears = {n: m for n, m in plan_linears(model).items() if only is None or n in only}
 
     def __enter__(self):
@@ -95,9 +110,3 @@ class SimulatedPlan:
             if self.plan.activations == "int8":
                 self.hooks.append(mod.register_forward_pre_hook(round_input_blocks))
         return self
-
-    def __exit__(self, *exc):
-        for mod, w in self.saved:
-            mod.weight.data = w
-        for h in self.hooks:
-            h.remove()

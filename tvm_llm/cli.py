@@ -213,6 +213,32 @@ def _add_quantization_args(p, default=None) -> None:
                         "Default: int8 for q8/q4 on CPUs with VNNI, else float")
 
 
+def _add_config_args(p, memory: bool) -> None:
+    """The build configuration's flags (tvm_llm/config.py BuildConfig.from_args) that build,
+    tune and plan share; `memory`: also the KV-cache capacity and memory budget (build, plan)."""
+    p.add_argument("--target", default="llvm", help="llvm (CPU, default), cuda or rocm")
+    p.add_argument("--arch", default=None,
+                   help="llvm: host (default) or aarch64; cuda: sm_80, sm_90; rocm: gfx90a, gfx942")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default), float16 (GPU default), bfloat16")
+    p.add_argument("--context-window", type=_positive_int, default=None,
+                   help="longest sequence in tokens (default: min(max_position_embeddings, 2048)"
+                        + (", bounded by --max-memory)" if memory else ")"))
+    p.add_argument("--max-batch-size", type=_positive_int, default=8,
+                   help="sequences decoded together (default 8)")
+    p.add_argument("--prefill-chunk-size", type=_positive_int, default=512,
+                   help="tokens per prefill call (default 512)")
+    p.add_argument("--page-size", type=_page_size, default=16, help="KV cache page size in tokens")
+    if memory:
+        p.add_argument("--kv-cache-tokens", type=_positive_int, default=None,
+                       help="KV cache capacity in tokens, all sequences together")
+        p.add_argument("--max-memory", default=None, metavar="SIZE", help=_MAX_MEMORY_HELP)
+    _add_quantization_args(p)
+    p.add_argument("--keep-float", default=None, metavar="LAYERS",
+                   help="comma list of what stays float under --quantization: decoder layer "
+                        "indices (0,3) and/or weight-name globs (lm_head, *down_proj*); see "
+                        "`tvm-llm sensitivity`")
+
+
 def _add_text_args(p) -> None:
     p.add_argument("--text", default=None, metavar="FILE",
                    help="text to evaluate (default: the bundled model's heldout.txt)")
@@ -231,31 +257,13 @@ def make_parser() -> argparse.ArgumentParser:
                                    "into OUT: model.so, weights.bin, manifest.json, tokenizer.")
     b.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face checkpoint directory")
     b.add_argument("-o", "--output", required=True, metavar="OUT", help="output directory to create")
-    b.add_argument("--target", default="llvm", help="llvm (CPU, default), cuda or rocm")
-    b.add_argument("--arch", default=None,
-                   help="llvm: host (default) or aarch64; cuda: sm_80, sm_90; rocm: gfx90a, gfx942")
-    b.add_argument("--dtype", default=None, help="float32 (CPU default), float16 (GPU default), bfloat16")
+    _add_config_args(b, memory=True)
     b.add_argument("--force", action="store_true", help="replace OUT if it exists")
     b.add_argument("--emit-source", action="store_true", help="also write generated code to OUT/source/")
     b.add_argument("--dump-ir", metavar="DIR", default=None, help="write the IR after each pass phase")
-    b.add_argument("--context-window", type=_positive_int, default=None,
-                   help="longest sequence in tokens (default: min(max_position_embeddings, 2048))")
-    b.add_argument("--max-batch-size", type=_positive_int, default=8,
-                   help="sequences decoded together (default 8)")
-    b.add_argument("--prefill-chunk-size", type=_positive_int, default=512,
-                   help="tokens per prefill call (default 512)")
-    b.add_argument("--page-size", type=_page_size, default=16, help="KV cache page size in tokens")
-    b.add_argument("--kv-cache-tokens", type=_positive_int, default=None,
-                   help="KV cache capacity in tokens, all sequences together")
-    b.add_argument("--max-memory", default=None, metavar="SIZE", help=_MAX_MEMORY_HELP)
     b.add_argument("--tuning-log", default=None, metavar="DIR",
                    help="apply a `tvm-llm tune` log (DIR or DIR/<hw-key>); kernels without a "
                         "record keep our default schedules")
-    _add_quantization_args(b)
-    b.add_argument("--keep-float", default=None, metavar="LAYERS",
-                   help="comma list of what stays float under --quantization: decoder layer "
-                        "indices (0,3) and/or weight-name globs (lm_head, *down_proj*); see "
-                        "`tvm-llm sensitivity`")
     b.add_argument("--calibration", default=None, metavar="FILE",
                    help="calibrate the quantization on this text (default when calibrating: a "
                         "text bundled with tvm_llm, Python's pydoc topics)")
@@ -278,9 +286,7 @@ def make_parser() -> argparse.ArgumentParser:
                                    "records are appended to LOG_DIR as they are measured, so an "
                                    "interrupted run resumes where it stopped.")
     t.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face checkpoint directory")
-    t.add_argument("--target", default="llvm")
-    t.add_argument("--arch", default=None)
-    t.add_argument("--dtype", default=None)
+    _add_config_args(t, memory=False)
     t.add_argument("--trials", type=_positive_int, default=32,
                    help="measured trials per kernel (default 32), counting those already in the log")
     t.add_argument("--log-dir", default=None, metavar="DIR",
@@ -301,13 +307,6 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-rule-grid", action="store_true",
                    help="do not measure our matmul rules at each register tile of the CPU's "
                         "row of schedules/cpu/microarch.py")
-    t.add_argument("--context-window", type=_positive_int, default=None)
-    t.add_argument("--max-batch-size", type=_positive_int, default=8)
-    t.add_argument("--prefill-chunk-size", type=_positive_int, default=512)
-    t.add_argument("--page-size", type=_page_size, default=16, help="KV cache page size in tokens")
-    _add_quantization_args(t)
-    t.add_argument("--keep-float", default=None, metavar="LAYERS",
-                   help="what stays float under --quantization (as for build)")
     t.set_defaults(func=_tune)
 
     pl = sub.add_parser("plan", help="print the memory plan of a checkpoint without compiling",
@@ -315,18 +314,7 @@ def make_parser() -> argparse.ArgumentParser:
                                     "memory plan (no kernel is compiled), then print weights, "
                                     "activations, KV pages and what fits in --max-memory.")
     pl.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face checkpoint directory")
-    pl.add_argument("--max-memory", default=None, metavar="SIZE", help=_MAX_MEMORY_HELP)
-    for flag in ("--target", "--arch", "--dtype"):
-        pl.add_argument(flag, default="llvm" if flag == "--target" else None)
-    pl.add_argument("--context-window", type=_positive_int, default=None,
-                    help="sequence length to plan for (default: min(max_position_embeddings, 2048), "
-                         "bounded by --max-memory)")
-    pl.add_argument("--max-batch-size", type=_positive_int, default=8)
-    pl.add_argument("--prefill-chunk-size", type=_positive_int, default=512)
-    pl.add_argument("--page-size", type=_page_size, default=16)
-    pl.add_argument("--kv-cache-tokens", type=_positive_int, default=None)
-    _add_quantization_args(pl)
-    pl.add_argument("--keep-float", default=None, metavar="LAYERS")
+    _add_config_args(pl, memory=True)
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=_plan)
 

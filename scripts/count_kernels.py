@@ -18,13 +18,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def hand_written_llama(layers, hidden, heads, kv_heads, inter, vocab, target):
-    from tvm import relax as rx
     from tvm import tirx
     from tvm.relax.frontend import nn
     from tvm.relax.frontend.nn import op
-    from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+    from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
+
+    from tvm_llm.frontend.relax_import import (CACHE_CREATION_SPEC, AttentionShape,
+                                               tir_paged_kv_cache)
 
     hd = hidden // heads
+    shape = AttentionShape(num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                           head_dim=hd, v_head_dim=hd)
 
     class Layer(nn.Module):
         def __init__(self):
@@ -64,24 +68,14 @@ def hand_written_llama(layers, hidden, heads, kv_heads, inter, vocab, target):
         def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                                   prefill_chunk_size: tirx.Var, page_size: tirx.Var,
                                   support_sliding_window: tirx.Var) -> PagedKVCache:
-            return TIRPagedKVCache(
-                attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
-                prefill_chunk_size=prefill_chunk_size, page_size=page_size,
-                support_sliding_window=support_sliding_window,
-                layer_partition=rx.ShapeExpr([0, layers]), num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=kv_heads, qk_head_dim=hd,
-                v_head_dim=hd, mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
-                rope_mode=RopeMode.NORMAL, rope_scale=1, rope_theta=10000, rope_scaling={},
-                rope_ext_factors=rx.prim_value(0), rotary_dim=hd, enable_disaggregation=False,
-                dtype="float32", target=target)
+            return tir_paged_kv_cache(
+                (max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+                 support_sliding_window), shape, "float32", target, rope=True)
 
     spec = {"decode": {"ids": nn.spec.Tensor(["batch", 1], "int32"),
                        "cache": nn.spec.Object(object_type=PagedKVCache),
                        "$": {"param_mode": "packed", "effect_mode": "none"}},
-            "create_paged_kv_cache": {"max_batch_size": int, "max_total_seq_len": int,
-                                      "prefill_chunk_size": int, "page_size": int,
-                                      "support_sliding_window": int,
-                                      "$": {"param_mode": "none", "effect_mode": "none"}}}
+            "create_paged_kv_cache": CACHE_CREATION_SPEC}
     mod, _ = Model().export_tvm(spec=spec)
     return mod
 

@@ -417,6 +417,33 @@ def specialize(mod, max_batch: int, max_tokens: int):
     return rx.transform.DeadCodeElimination(["prefill", "decode", "hidden_states"])(out)
 
 
+# export_tvm spec of create_paged_kv_cache: the runtime calls it with these five integers
+CACHE_CREATION_SPEC = {"max_batch_size": int, "max_total_seq_len": int,
+                       "prefill_chunk_size": int, "page_size": int, "support_sliding_window": int,
+                       "$": {"param_mode": "none", "effect_mode": "none"}}
+
+
+def tir_paged_kv_cache(sizes, attn: AttentionShape, dtype: str, target, rope: bool = False):
+    """TVM's TIR paged KV cache (multi-head attention) for `attn`'s layers and heads. `sizes`:
+    the five create_paged_kv_cache arguments in CACHE_CREATION_SPEC's order. `rope`: the cache
+    applies RoPE (theta 10000) itself; our imported graphs apply it before the cache."""
+    from tvm import relax as rx
+    from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
+
+    max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, sliding = sizes
+    return TIRPagedKVCache(
+        attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
+        prefill_chunk_size=prefill_chunk_size, page_size=page_size,
+        support_sliding_window=sliding,
+        layer_partition=rx.ShapeExpr([0, attn.num_layers]),
+        num_hidden_layers=attn.num_layers, num_attention_heads=attn.num_heads,
+        num_key_value_heads=attn.num_kv_heads, qk_head_dim=attn.head_dim,
+        v_head_dim=attn.v_head_dim, mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
+        rope_mode=RopeMode.NORMAL if rope else RopeMode.NONE, rope_scale=1, rope_theta=10000,
+        rope_scaling={}, rope_ext_factors=rx.prim_value(0), rotary_dim=attn.head_dim,
+        enable_disaggregation=False, dtype=dtype, target=target)
+
+
 def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target_spec,
                           page_size: int = 16):
     """Add create_paged_kv_cache (TVM's TIR paged KV cache for this target and dtype), with
@@ -426,10 +453,9 @@ def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target_spec,
     16-token pages), so on CPU every kernel that reads or writes pages is rebuilt for
     `page_size`; the runtime must create the cache with the same page size (the manifest
     records it). Other targets take 16 only (checked by the target, tvm_llm/targets/)."""
-    from tvm import relax as rx
     from tvm import tirx
     from tvm.relax.frontend import nn
-    from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+    from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 
     target = target_spec.tvm_target()
 
@@ -437,22 +463,11 @@ def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target_spec,
         def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                                   prefill_chunk_size: tirx.Var, page_size: tirx.Var,
                                   support_sliding_window: tirx.Var) -> PagedKVCache:
-            return TIRPagedKVCache(
-                attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
-                prefill_chunk_size=prefill_chunk_size, page_size=page_size,
-                support_sliding_window=support_sliding_window,
-                layer_partition=rx.ShapeExpr([0, attn.num_layers]),
-                num_hidden_layers=attn.num_layers, num_attention_heads=attn.num_heads,
-                num_key_value_heads=attn.num_kv_heads, qk_head_dim=attn.head_dim,
-                v_head_dim=attn.v_head_dim, mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
-                rope_mode=RopeMode.NONE, rope_scale=1, rope_theta=10000, rope_scaling={},
-                rope_ext_factors=rx.prim_value(0), rotary_dim=attn.head_dim,
-                enable_disaggregation=False, dtype=dtype, target=target)
+            return tir_paged_kv_cache(
+                (max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+                 support_sliding_window), attn, dtype, target)
 
-    spec = {"create_paged_kv_cache": {"max_batch_size": int, "max_total_seq_len": int,
-                                      "prefill_chunk_size": int, "page_size": int,
-                                      "support_sliding_window": int,
-                                      "$": {"param_mode": "none", "effect_mode": "none"}}}
+    spec = {"create_paged_kv_cache": CACHE_CREATION_SPEC}
     kv_mod, _ = CacheFactory().export_tvm(spec=spec)
     names = {gv.name_hint for gv in kv_mod.get_global_vars()}
     for name, func in target_spec.cache_kernels(kv_mod, attn, dtype, page_size).items():

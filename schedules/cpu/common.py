@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import tvm
 from tvm import s_tir, tirx
+from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
 # What a schedule primitive raises when it refuses (compute_inline of a block that cannot be
@@ -50,6 +51,23 @@ MAX_STACK_BYTES = 1024
 # --------------------------------------------------------------------------------------------
 def is_llvm_cpu(target: Target | None) -> bool:
     return target is not None and target.kind.name == "llvm"
+
+
+class CPURule(ScheduleRule):
+    """Base of the CPU schedule rules: available on LLVM CPU targets, and `apply` hands a
+    PrimFunc on such a target to `schedule(func, target)` (a Schedule, or None: not this
+    rule's kernel, or it failed and logged through rule_failed)."""
+
+    def is_target_available(self, target: Target) -> bool:
+        return is_llvm_cpu(target)
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        return self.schedule(func, target)
+
+    def schedule(self, func: tirx.PrimFunc, target: Target):
+        raise NotImplementedError
 
 
 def has_feature(feature: str, target: Target) -> bool:

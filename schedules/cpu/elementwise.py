@@ -19,7 +19,6 @@ Why the schedule is shaped so
 from __future__ import annotations
 
 from tvm import s_tir, tirx
-from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
 from . import common
@@ -28,15 +27,10 @@ from .reduction import inline_spatial_producers
 PARALLEL_MIN_ELEMENTS = 16384
 
 
-class Elementwise(ScheduleRule):
+class Elementwise(common.CPURule):
     """Injective kernels: vectorized innermost axis, parallel outer axes."""
 
-    def is_target_available(self, target: Target) -> bool:
-        return common.is_llvm_cpu(target)
-
-    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
+    def schedule(self, func: tirx.PrimFunc, target: Target):
         try:
             sch = s_tir.Schedule(func)
             blocks = common.root_blocks(sch)

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import tvm
 from tvm import s_tir, tirx
-from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
 from . import bf16_dot, common, microarch
@@ -94,7 +93,7 @@ def gemm_tile(target: Target, N: int, K: int, dtype: str = "float32"):
     return cands[0]
 
 
-class GEMM(ScheduleRule):
+class GEMM(common.CPURule):
     """Weight matmul (prefill GEMM and decode GEMV) over a packed weight panel."""
 
     def __init__(self, prepack: str | bool = "auto", tile=None, bf16_dot: bool = True):
@@ -106,12 +105,7 @@ class GEMM(ScheduleRule):
         self.tile = tile
         self.bf16_dot = bf16_dot
 
-    def is_target_available(self, target: Target) -> bool:
-        return common.is_llvm_cpu(target)
-
-    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
+    def schedule(self, func: tirx.PrimFunc, target: Target):
         prepared = common.prepare_matmul(func)
         if prepared is None:
             return None

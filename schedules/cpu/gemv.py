@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import tvm
 from tvm import s_tir, tirx
-from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
 from . import common, microarch
@@ -61,18 +60,13 @@ def gemv_tile(target: Target, N: int, K: int, dtype: str = "float32", decode_lik
     return 1, 1, L
 
 
-class GEMV(ScheduleRule):
+class GEMV(common.CPURule):
     """NT weight matmul over the row-major weight: lane-split dot products, rows streamed."""
 
     def __init__(self, tile=None):
         self.tile = tile
 
-    def is_target_available(self, target: Target) -> bool:
-        return common.is_llvm_cpu(target)
-
-    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
+    def schedule(self, func: tirx.PrimFunc, target: Target):
         prepared = common.prepare_matmul(func, allow_computed_b=True)
         if prepared is None:
             return None

@@ -20,7 +20,6 @@ Why the schedule is shaped so
 from __future__ import annotations
 
 from tvm import s_tir, tirx
-from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
 from . import common
@@ -38,15 +37,10 @@ def moe_column_block(target: Target, n: int, dtype: str = "float32") -> int:
     return common.pow2_divisor(n, 4 * lanes)
 
 
-class MoEGemm(ScheduleRule):
+class MoEGemm(common.CPURule):
     """The moe_gemm kernel: column-block parallel, register accumulators per row."""
 
-    def is_target_available(self, target: Target) -> bool:
-        return common.is_llvm_cpu(target)
-
-    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
+    def schedule(self, func: tirx.PrimFunc, target: Target):
         sch = s_tir.Schedule(func)
         try:
             block = sch.get_sblock(MOE_GEMM_DEQUANTIZE_BLOCK)

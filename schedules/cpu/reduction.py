@@ -22,7 +22,6 @@ Why the schedule is shaped so
 from __future__ import annotations
 
 from tvm import s_tir, tirx
-from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
 from . import common
@@ -38,42 +37,42 @@ def _is_expensive(sch, block) -> bool:
 def inline_spatial_producers(sch: s_tir.Schedule, keep_expensive_multi_use: bool = True):
     """Inline spatial blocks into their consumers (and output copies/casts into their
     producers) until nothing changes. Returns nothing; the schedule is updated in place."""
-    for _ in range(64):
-        progress = False
-        for blk in common.root_blocks(sch):
-            if not common.is_spatial_block(sch, blk):
-                continue
-            consumers = sch.get_consumers(blk)
-            if not consumers:
-                continue
-            if keep_expensive_multi_use and len(consumers) > 1 and _is_expensive(sch, blk):
-                continue
-            try:
-                sch.compute_inline(blk)
-                progress = True
-                break
-            except common.ScheduleError:  # not inlinable
-                continue
-        if not progress:
-            break
+
+    def producer(blk) -> bool:
+        if not common.is_spatial_block(sch, blk):
+            return False
+        consumers = sch.get_consumers(blk)
+        if not consumers:
+            return False
+        return not (keep_expensive_multi_use and len(consumers) > 1 and _is_expensive(sch, blk))
+
+    _inline_one_at_a_time(sch, 64, producer, sch.compute_inline)
+
     # Output blocks that merely copy/cast a spatial producer: fold them into the producer.
-    for _ in range(8):
-        progress = False
+    def output_copy(blk) -> bool:
+        if sch.get_consumers(blk) or not common.is_spatial_block(sch, blk):
+            return False
+        producers = sch.get_producers(blk)
+        if len(producers) != 1 or not common.is_spatial_block(sch, producers[0]):
+            return False
+        return len(sch.get_consumers(producers[0])) == 1
+
+    _inline_one_at_a_time(sch, 8, output_copy, sch.reverse_compute_inline)
+
+
+def _inline_one_at_a_time(sch, rounds: int, eligible, inline) -> None:
+    """Up to `rounds` times: inline the first root block that is `eligible` and that `inline`
+    accepts (blocks change after each inline, so the scan starts over); stop when none is."""
+    for _ in range(rounds):
         for blk in common.root_blocks(sch):
-            if sch.get_consumers(blk) or not common.is_spatial_block(sch, blk):
-                continue
-            producers = sch.get_producers(blk)
-            if len(producers) != 1 or not common.is_spatial_block(sch, producers[0]):
-                continue
-            if len(sch.get_consumers(producers[0])) != 1:
+            if not eligible(blk):
                 continue
             try:
-                sch.reverse_compute_inline(blk)
-                progress = True
+                inline(blk)
                 break
             except common.ScheduleError:  # not inlinable
                 continue
-        if not progress:
+        else:
             break
 
 
@@ -90,15 +89,10 @@ def _same_extents(a, b) -> bool:
     return all(tvm_ffi.structural_equal(x, y) for x, y in zip(a, b))
 
 
-class RowReduction(ScheduleRule):
+class RowReduction(common.CPURule):
     """Per-row reductions followed by elementwise ops (norms, softmax)."""
 
-    def is_target_available(self, target: Target) -> bool:
-        return common.is_llvm_cpu(target)
-
-    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
+    def schedule(self, func: tirx.PrimFunc, target: Target):
         try:
             return self._apply(func, target)
         except Exception as err:  # pylint: disable=broad-except

@@ -256,37 +256,32 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
                     for i in T.vectorized(TILE_N):
                         y[r // B, r % B, nt * TILE_N + i] = T.Cast(out_dtype, facc[r, i])
 
+    @T.macro
+    def entry(var_x, var_y, wp, p0, p1, p2, p3):
+        # every format's function: x (A, B, K) -> y (A, B, N); only the weight buffers differ
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
+        A = T.int64()
+        B = T.int64()
+        x = T.match_buffer(var_x, (A, B, K), "float32")
+        y = T.match_buffer(var_y, (A, B, N), out_dtype)
+        kernel(x, y, wp, p0, p1, p2, p3, A, B)
+
     if kind == "sym":
         @T.prim_func(private=True, check_well_formed=False)
         def func(var_x: T.handle, wp: T.Buffer((NT, NG, C, 64), "uint8"),
                  d: T.Buffer((NT, NG, TILE_N), f16), var_y: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
-            A = T.int64()
-            B = T.int64()
-            x = T.match_buffer(var_x, (A, B, K), "float32")
-            y = T.match_buffer(var_y, (A, B, N), out_dtype)
-            kernel(x, y, wp, d, d, d, d, A, B)
+            entry(var_x, var_y, wp, d, d, d, d)
     elif kind == "asym":
         @T.prim_func(private=True, check_well_formed=False)
         def func(var_x: T.handle, wp: T.Buffer((NT, NG, C, 64), "uint8"),
                  d: T.Buffer((NT, NG, TILE_N), f16), m: T.Buffer((NT, NG, TILE_N), f16),
                  var_y: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
-            A = T.int64()
-            B = T.int64()
-            x = T.match_buffer(var_x, (A, B, K), "float32")
-            y = T.match_buffer(var_y, (A, B, N), out_dtype)
-            kernel(x, y, wp, d, m, d, m, A, B)
+            entry(var_x, var_y, wp, d, m, d, m)
     else:
         @T.prim_func(private=True, check_well_formed=False)
         def func(var_x: T.handle, wp: T.Buffer((NT, NG, C, 64), "uint8"),
                  sc: T.Buffer((NT, NG, TILE_N), "uint8"), mn: T.Buffer((NT, NG, TILE_N), "uint8"),
                  d: T.Buffer((NT, NS, TILE_N), f16), dmin: T.Buffer((NT, NS, TILE_N), f16),
                  var_y: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
-            A = T.int64()
-            B = T.int64()
-            x = T.match_buffer(var_x, (A, B, K), "float32")
-            y = T.match_buffer(var_y, (A, B, N), out_dtype)
-            kernel(x, y, wp, sc, mn, d, dmin, A, B)
+            entry(var_x, var_y, wp, sc, mn, d, dmin)
     return func

@@ -11,9 +11,10 @@ B stored as W (n, k) and for the fp32 accumulator (i, j): `ldmatrix_layout`.
 from __future__ import annotations
 
 from tvm.runtime import convert
-from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
-from tvm.tirx import Cast, IntImm
+from tvm.tirx import IntImm
+
+from ..gpu import fragment_intrinsics as fragments
 
 WARP = 32
 FRAG = 16            # 16x16 fragments
@@ -33,22 +34,8 @@ def ldmatrix_layout(i, j):
 def _ldmatrix(dtype: str, smem_offset, transpose_in_ldmatrix: bool):
     """Shared (16, 16) tile -> warp fragment; the tile's rows are i (A) or n (B as W[n, k])."""
 
-    @T.prim_func(s_tir=True)
-    def desc(warp_handle: T.handle, shared_handle: T.handle) -> None:
-        shared = T.match_buffer(shared_handle, (FRAG, FRAG), dtype, align=64, offset_factor=FRAG,
-                                scope="shared.dyn")
-        warp = T.match_buffer(warp_handle, (WARP, LOCAL), dtype, align=64, offset_factor=FRAG,
-                              scope="warp")
-        with T.sblock("root"):
-            T.reads(shared[0:FRAG, 0:FRAG])
-            T.writes(warp[0:WARP, 0:LOCAL])
-            for ax0, ax1 in T.grid(FRAG, FRAG):
-                with T.sblock("shared_warp"):
-                    v0, v1 = T.axis.remap("SS", [ax0, ax1])
-                    T.reads(shared[v0, v1])
-                    lane, local = T.meta_var(ldmatrix_layout(v0, v1))
-                    T.writes(warp[lane, local])
-                    warp[lane, local] = shared[v0, v1]
+    desc = fragments.load_desc(dtype, FRAG, WARP, LOCAL, ldmatrix_layout, "shared.dyn",
+                               align=64, offset_factor=FRAG)
 
     @T.prim_func(s_tir=True)
     def impl(warp_handle: T.handle, shared_handle: T.handle) -> None:
@@ -84,23 +71,8 @@ def _mma_nt(in_dtype: str, out_dtype: str):
     """C (i, j) += A (i, k) * W (j, k) on 16x16x16 fragments: two mma.sync m16n8k16."""
     abbrv = {"float16": "fp16", "float32": "fp32"}
 
-    @T.prim_func(s_tir=True)
-    def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
-        A = T.match_buffer(a, (WARP, LOCAL), in_dtype, align=64, offset_factor=FRAG, scope="warp")
-        B = T.match_buffer(b, (WARP, LOCAL), in_dtype, align=64, offset_factor=FRAG, scope="warp")
-        C = T.match_buffer(c, (WARP, LOCAL), out_dtype, align=64, offset_factor=FRAG, scope="warp")
-        with T.sblock("root"):
-            T.reads(C[0:WARP, 0:LOCAL], A[0:WARP, 0:LOCAL], B[0:WARP, 0:LOCAL])
-            T.writes(C[0:WARP, 0:LOCAL])
-            for i, j, k in T.grid(FRAG, FRAG, FRAG):
-                with T.sblock("C"):
-                    vi, vj, vk = T.axis.remap("SSR", [i, j, k])
-                    tc, lc = T.meta_var(ldmatrix_layout(vi, vj))
-                    ta, la = T.meta_var(ldmatrix_layout(vi, vk))
-                    tb, lb = T.meta_var(ldmatrix_layout(vj, vk))
-                    T.reads(C[tc, lc], A[ta, la], B[tb, lb])
-                    T.writes(C[tc, lc])
-                    C[tc, lc] += Cast(out_dtype, A[ta, la]) * Cast(out_dtype, B[tb, lb])
+    desc = fragments.mma_desc(in_dtype, out_dtype, FRAG, WARP, LOCAL, LOCAL, ldmatrix_layout,
+                              ldmatrix_layout, align=64, offset_factor=FRAG)
 
     @T.prim_func(s_tir=True)
     def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
@@ -125,19 +97,7 @@ def _mma_nt(in_dtype: str, out_dtype: str):
 def _fill(dtype: str):
     zero = IntImm("int32", 0).astype(dtype)
 
-    @T.prim_func(s_tir=True)
-    def desc(a: T.handle) -> None:
-        C = T.match_buffer(a, (WARP, LOCAL), dtype, scope="warp")
-        with T.sblock("root"):
-            T.reads()
-            T.writes(C[0:WARP, 0:LOCAL])
-            for i0, i1 in T.grid(FRAG, FRAG):
-                with T.sblock("C_warp"):
-                    i, j = T.axis.remap("SS", [i0, i1])
-                    lane, local = T.meta_var(ldmatrix_layout(i, j))
-                    T.reads()
-                    T.writes(C[lane, local])
-                    C[lane, local] = zero
+    desc = fragments.fill_desc(dtype, WARP, LOCAL, ldmatrix_layout, zero)
 
     @T.prim_func(s_tir=True)
     def impl(a: T.handle) -> None:
@@ -151,12 +111,7 @@ def _fill(dtype: str):
     return desc, impl
 
 
-def _register(name, desc_impl):
-    if TensorIntrin.get(name, allow_missing=True) is None:
-        TensorIntrin.register(name, *desc_impl)
-
-
-_register(LDMATRIX_A, _ldmatrix("float16", _a_offset, transpose_in_ldmatrix=False))
-_register(LDMATRIX_B_NT, _ldmatrix("float16", _b_nt_offset, transpose_in_ldmatrix=False))
-_register(MMA_NT_F32, _mma_nt("float16", "float32"))
-_register(FILL_F32, _fill("float32"))
+fragments.register(LDMATRIX_A, *_ldmatrix("float16", _a_offset, transpose_in_ldmatrix=False))
+fragments.register(LDMATRIX_B_NT, *_ldmatrix("float16", _b_nt_offset, transpose_in_ldmatrix=False))
+fragments.register(MMA_NT_F32, *_mma_nt("float16", "float32"))
+fragments.register(FILL_F32, *_fill("float32"))

@@ -16,9 +16,10 @@ LLVM aborts selecting it).
 """
 from __future__ import annotations
 
-from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
-from tvm.tirx import Cast, IntImm
+from tvm.tirx import IntImm
+
+from ..gpu import fragment_intrinsics as fragments
 
 WAVE = 64
 
@@ -48,20 +49,7 @@ def accumulator_layout(i, j):
 def _load(dtype: str, k_dim: int, layout):
     per_lane = 16 * k_dim // WAVE
 
-    @T.prim_func(s_tir=True)
-    def desc(reg_handle: T.handle, mem_handle: T.handle) -> None:
-        mem = T.match_buffer(mem_handle, (16, k_dim), dtype, offset_factor=1, scope="shared")
-        reg = T.match_buffer(reg_handle, (WAVE, per_lane), dtype, offset_factor=1, scope="warp")
-        with T.sblock("root"):
-            T.reads(mem[0:16, 0:k_dim])
-            T.writes(reg[0:WAVE, 0:per_lane])
-            for ax0, ax1 in T.grid(16, k_dim):
-                with T.sblock("shared_warp"):
-                    v0, v1 = T.axis.remap("SS", [ax0, ax1])
-                    T.reads(mem[v0, v1])
-                    lane, local = T.meta_var(layout(v0, v1))
-                    T.writes(reg[lane, local])
-                    reg[lane, local] = mem[v0, v1]
+    desc = fragments.load_desc(dtype, k_dim, WAVE, per_lane, layout, "shared")
 
     @T.prim_func(s_tir=True)
     def impl(reg_handle: T.handle, mem_handle: T.handle) -> None:
@@ -86,23 +74,8 @@ def _load(dtype: str, k_dim: int, layout):
 def _mfma(in_dtype: str, acc_dtype: str, k_dim: int, layout, llvm_name: str, arg_dtype):
     per_lane = 16 * k_dim // WAVE
 
-    @T.prim_func(s_tir=True)
-    def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
-        A = T.match_buffer(a, (WAVE, per_lane), in_dtype, offset_factor=1, scope="warp")
-        B = T.match_buffer(b, (WAVE, per_lane), in_dtype, offset_factor=1, scope="warp")
-        C = T.match_buffer(c, (WAVE, 4), acc_dtype, offset_factor=1, scope="warp")
-        with T.sblock("root"):
-            T.reads(C[0:WAVE, 0:4], A[0:WAVE, 0:per_lane], B[0:WAVE, 0:per_lane])
-            T.writes(C[0:WAVE, 0:4])
-            for i, j, k in T.grid(16, 16, k_dim):
-                with T.sblock("C"):
-                    vi, vj, vk = T.axis.remap("SSR", [i, j, k])
-                    tc, lc = T.meta_var(accumulator_layout(vi, vj))
-                    ta, la = T.meta_var(layout(vi, vk))
-                    tb, lb = T.meta_var(layout(vj, vk))
-                    T.reads(C[tc, lc], A[ta, la], B[tb, lb])
-                    T.writes(C[tc, lc])
-                    C[tc, lc] += Cast(acc_dtype, A[ta, la]) * Cast(acc_dtype, B[tb, lb])
+    desc = fragments.mma_desc(in_dtype, acc_dtype, k_dim, WAVE, per_lane, 4, layout,
+                              accumulator_layout)
 
     def operand(buf, tx):
         vec = buf[tx, T.ramp(0, 1, per_lane)]
@@ -129,19 +102,7 @@ def _mfma(in_dtype: str, acc_dtype: str, k_dim: int, layout, llvm_name: str, arg
 def _fill(dtype: str):
     zero = IntImm("int32", 0).astype(dtype)
 
-    @T.prim_func(s_tir=True)
-    def desc(a: T.handle) -> None:
-        C = T.match_buffer(a, (WAVE, 4), dtype, scope="warp")
-        with T.sblock("root"):
-            T.reads()
-            T.writes(C[0:WAVE, 0:4])
-            for i0, i1 in T.grid(16, 16):
-                with T.sblock("C_warp"):
-                    i, j = T.axis.remap("SS", [i0, i1])
-                    lane, local = T.meta_var(accumulator_layout(i, j))
-                    T.reads()
-                    T.writes(C[lane, local])
-                    C[lane, local] = zero
+    desc = fragments.fill_desc(dtype, WAVE, 4, accumulator_layout, zero)
 
     @T.prim_func(s_tir=True)
     def impl(a: T.handle) -> None:
@@ -157,16 +118,11 @@ def _fill(dtype: str):
     return desc, impl
 
 
-def _register(name, desc_impl):
-    if TensorIntrin.get(name, allow_missing=True) is None:
-        TensorIntrin.register(name, *desc_impl)
-
-
-_register(LOAD_F16, _load("float16", 16, operand_layout))
-_register(MFMA_F16_NT, _mfma("float16", "float32", 16, operand_layout,
+fragments.register(LOAD_F16, *_load("float16", 16, operand_layout))
+fragments.register(MFMA_F16_NT, *_mfma("float16", "float32", 16, operand_layout,
                              "llvm.amdgcn.mfma.f32.16x16x16f16", None))
-_register(FILL_F32, _fill("float32"))
-_register(LOAD_I8_K32, _load("int8", 32, operand_layout_k32))
-_register(MFMA_I8_K32_NT, _mfma("int8", "int32", 32, operand_layout_k32,
+fragments.register(FILL_F32, *_fill("float32"))
+fragments.register(LOAD_I8_K32, *_load("int8", 32, operand_layout_k32))
+fragments.register(MFMA_I8_K32_NT, *_mfma("int8", "int32", 32, operand_layout_k32,
                                 "llvm.amdgcn.mfma.i32.16x16x32.i8", "int64"))
-_register(FILL_I32, _fill("int32"))
+fragments.register(FILL_I32, *_fill("int32"))

@@ -259,6 +259,15 @@ def _over_pages_macro(block, PAGE: int, H_kv: int, D: int):
     return over_pages
 
 
+@T.macro
+def sequence_of_row(seq, q_indptr, batch_size, row):
+    """seq[0] = the sequence whose query rows (q_indptr) hold packed row `row` (prefill)."""
+    seq[0] = 0
+    for bb in range(batch_size):
+        if q_indptr[bb] <= row:
+            seq[0] = bb
+
+
 def _length_shape(batch, sliding: bool):
     """The cache's length info: last page lengths, or (sliding layout) rows of last page
     length, window offset in the first page, attention-sink length."""
@@ -485,10 +494,7 @@ def prefill_paged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim:
             seq = T.alloc_buffer((1,), "int32", scope="local")
             row = item // H_kv
             hk = item % H_kv
-            seq[0] = 0
-            for bb in range(batch_size):
-                if q_indptr[bb] <= row:
-                    seq[0] = bb
+            sequence_of_row(seq, q_indptr, batch_size, row)
             b = seq[0]
             n_q = q_indptr[b + 1] - q_indptr[b]
             begin = page_indptr[b]
@@ -574,10 +580,7 @@ def prefill_ragged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim
             # row j and row n-1-j of the pair (the odd middle row is done once)
             row = T.Select(item // H_kv % 2 == 0, pair, qo_len - 1 - pair)
             if item // H_kv % 2 == 0 or qo_len - 1 - pair != pair:
-                seq[0] = 0
-                for bb in range(batch_size):
-                    if q_indptr[bb] <= row:
-                        seq[0] = bb
+                sequence_of_row(seq, q_indptr, batch_size, row)
                 b = seq[0]
                 q_idx = row - q_indptr[b]
                 n_kv = kv_indptr[b + 1] - kv_indptr[b]

@@ -213,6 +213,16 @@ def _add_quantization_args(p, default=None) -> None:
                         "Default: int8 for q8/q4 on CPUs with VNNI, else float")
 
 
+def _add_model_dir_arg(p) -> None:
+    """The checkpoint a command compiles, plans, tunes or measures."""
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face checkpoint directory")
+
+
+def _add_output_dir_arg(p) -> None:
+    """The build a command runs or inspects."""
+    p.add_argument("output_dir", metavar="OUT", help="directory written by `tvm-llm build`")
+
+
 def _add_config_args(p, memory: bool) -> None:
     """The build configuration's flags (tvm_llm/config.py BuildConfig.from_args) that build,
     tune and plan share; `memory`: also the KV-cache capacity and memory budget (build, plan)."""
@@ -255,7 +265,7 @@ def make_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="compile a checkpoint directory into an output directory",
                        description="Compile MODEL_DIR (config.json + *.safetensors + tokenizer.json) "
                                    "into OUT: model.so, weights.bin, manifest.json, tokenizer.")
-    b.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face checkpoint directory")
+    _add_model_dir_arg(b)
     b.add_argument("-o", "--output", required=True, metavar="OUT", help="output directory to create")
     _add_config_args(b, memory=True)
     b.add_argument("--force", action="store_true", help="replace OUT if it exists")
@@ -285,7 +295,7 @@ def make_parser() -> argparse.ArgumentParser:
                                    "shape buckets) with MetaSchedule and the XGBoost cost model; "
                                    "records are appended to LOG_DIR as they are measured, so an "
                                    "interrupted run resumes where it stopped.")
-    t.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face checkpoint directory")
+    _add_model_dir_arg(t)
     _add_config_args(t, memory=False)
     t.add_argument("--trials", type=_positive_int, default=32,
                    help="measured trials per kernel (default 32), counting those already in the log")
@@ -313,13 +323,13 @@ def make_parser() -> argparse.ArgumentParser:
                         description="Import MODEL_DIR and run the Relax passes up to TVM's static "
                                     "memory plan (no kernel is compiled), then print weights, "
                                     "activations, KV pages and what fits in --max-memory.")
-    pl.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face checkpoint directory")
+    _add_model_dir_arg(pl)
     _add_config_args(pl, memory=True)
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=_plan)
 
     g = sub.add_parser("generate", help="generate text with a built output directory")
-    g.add_argument("output_dir", metavar="OUT", help="directory written by `tvm-llm build`")
+    _add_output_dir_arg(g)
     g.add_argument("--prompt", action="append", type=_text_arg,
                    help="prompt text (repeat for several prompts)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=64)
@@ -339,7 +349,7 @@ def make_parser() -> argparse.ArgumentParser:
                         description="OpenAI-compatible server (/v1/completions, "
                         "/v1/chat/completions, /v1/models, /health, /metrics) with continuous "
                         "batching. SIGTERM drains open requests, then exits.")
-    sv.add_argument("output_dir", metavar="OUT", help="directory written by `tvm-llm build`")
+    _add_output_dir_arg(sv)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=_port, default=8000, help="0 picks a free port (printed)")
     sv.add_argument("--api-key", default=os.environ.get("TVM_LLM_API_KEY"),
@@ -372,7 +382,7 @@ def make_parser() -> argparse.ArgumentParser:
                                    "for the logits the cosine similarity and max abs difference, "
                                    "and flag what falls below the thresholds. Exit code 0: nothing "
                                    "flagged, 1: something flagged, 2: bad input.")
-    v.add_argument("output_dir", metavar="OUT", help="directory written by `tvm-llm build`")
+    _add_output_dir_arg(v)
     v.add_argument("--reference", metavar="MODEL_DIR", default=None,
                    help="Hugging Face checkpoint to compare with (default: the directory OUT was "
                         "built from, as its manifest records)")
@@ -392,7 +402,7 @@ def make_parser() -> argparse.ArgumentParser:
                         description="Perplexity of the build in OUT on non-overlapping windows of "
                                     "--window tokens of a text (default: the bundled model's "
                                     "held-out text), through the runtime.")
-    pp.add_argument("output_dir", metavar="OUT", help="directory written by `tvm-llm build`")
+    _add_output_dir_arg(pp)
     _add_text_args(pp)
     pp.add_argument("--threads", type=_positive_int, default=None)
     pp.set_defaults(func=_perplexity)
@@ -402,13 +412,13 @@ def make_parser() -> argparse.ArgumentParser:
                                     "simulated in transformers with the build's exact rounding, "
                                     "and print perplexity and logits cosine against float32: "
                                     "the most sensitive units are what --keep-float is for.")
-    se.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face checkpoint directory")
+    _add_model_dir_arg(se)
     _add_quantization_args(se, default="q4")
     _add_text_args(se)
     se.set_defaults(func=_sensitivity)
 
     i = sub.add_parser("inspect", help="print an output directory's manifest and build report")
-    i.add_argument("output_dir", metavar="OUT")
+    _add_output_dir_arg(i)
     i.set_defaults(func=_inspect)
 
     d = sub.add_parser("demo", help="build the bundled tiny model for this CPU and generate")

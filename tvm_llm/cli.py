@@ -223,6 +223,12 @@ def _add_output_dir_arg(p) -> None:
     p.add_argument("output_dir", metavar="OUT", help="directory written by `tvm-llm build`")
 
 
+def _add_threads_arg(p) -> None:
+    """CPU threads of the runtime (generate, serve, verify, perplexity)."""
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads (default: all cores, or $TVM_NUM_THREADS)")
+
+
 def _add_config_args(p, memory: bool) -> None:
     """The build configuration's flags (tvm_llm/config.py BuildConfig.from_args) that build,
     tune and plan share; `memory`: also the KV-cache capacity and memory budget (build, plan)."""
@@ -339,8 +345,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=_non_negative_int, default=None)
     g.add_argument("--stop-token-id", type=_non_negative_int, action="append", help="extra stop token id")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
-    g.add_argument("--threads", type=_positive_int, default=None,
-                   help="CPU threads (default: all cores, or $TVM_NUM_THREADS)")
+    _add_threads_arg(g)
     g.add_argument("--chat", action="store_true",
                    help="send each prompt as a user message through the model's chat template")
     g.set_defaults(func=_generate)
@@ -360,8 +365,7 @@ def make_parser() -> argparse.ArgumentParser:
                     help="queued requests beyond which new ones get 429 (default 256)")
     sv.add_argument("--model-name", default=None,
                     help="model id clients send (default: OUT's directory name)")
-    sv.add_argument("--threads", type=_positive_int, default=None,
-                    help="CPU threads (default: all cores, or $TVM_NUM_THREADS)")
+    _add_threads_arg(sv)
     sv.add_argument("--step-prefill-tokens", type=_positive_int, default=None,
                     help="prompt tokens prefilled per step while other sequences decode "
                     "(default: sized by --step-prefill-ratio; the build's prefill chunk size "
@@ -394,8 +398,7 @@ def make_parser() -> argparse.ArgumentParser:
     v.add_argument("--min-top1", type=_fraction, default=0.9,
                    help="flag the logits when fewer than this fraction of positions agree on the "
                         "greedy token (default 0.9)")
-    v.add_argument("--threads", type=_positive_int, default=None,
-                   help="CPU threads (default: all cores, or $TVM_NUM_THREADS)")
+    _add_threads_arg(v)
     v.set_defaults(func=_verify)
 
     pp = sub.add_parser("perplexity", help="perplexity of a build on a text file",
@@ -404,7 +407,7 @@ def make_parser() -> argparse.ArgumentParser:
                                     "held-out text), through the runtime.")
     _add_output_dir_arg(pp)
     _add_text_args(pp)
-    pp.add_argument("--threads", type=_positive_int, default=None)
+    _add_threads_arg(pp)
     pp.set_defaults(func=_perplexity)
 
     se = sub.add_parser("sensitivity", help="perplexity cost of quantizing each layer alone",

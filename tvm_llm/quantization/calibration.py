@@ -39,6 +39,10 @@ from .formats import host_threads
 DEFAULT_CALIBRATION = os.path.join(os.path.dirname(__file__), "calibration.txt")
 ALPHAS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # 0 = unscaled
 SAMPLE_ROWS = 512  # input rows kept per linear for the scale search
+# output rows (weight rows) the scale search scores per linear: a scaling multiplies input
+# channels, every weight row is rounded on its own, so evenly spaced rows estimate the whole
+# matrix's output error; llama-1b's gate|up has 11264 rows, SmolLM2's 3072
+SEARCH_ROWS = 1024
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|layer|blocks)\.(\d+)\.")
 
 
@@ -194,7 +198,8 @@ def _candidates(st: InputStats, weights: list, activations: str) -> list:
 def search_scale(st: InputStats, weights: list, quantize, quantize_input=None,
                  activations: str = "float", tie=None):
     """(label, s, error, error at s = 1) minimizing the output error of the linears `weights`
-    (each (N, K) float32) on the sampled rows. `quantize(w) -> w'` is the build's weight
+    (each (N, K) float32) on the sampled rows, scored on at most SEARCH_ROWS evenly spaced
+    rows of each weight. `quantize(w) -> w'` is the build's weight
     round trip, `quantize_input(x) -> x'` the activation round trip (or None).
     `tie(s) -> s'` projects a candidate onto scalings the producer can absorb.
 
@@ -202,6 +207,9 @@ def search_scale(st: InputStats, weights: list, quantize, quantize_input=None,
     which are single-threaded and most of the search's time); the choice is made afterwards
     in the candidates' order, so it does not depend on the threads."""
     X = st.sample.astype(np.float32)
+    candidates = _candidates(st, weights, activations)  # SmoothQuant's max|W| over every row
+    weights = [w[np.linspace(0, len(w) - 1, SEARCH_ROWS).astype(np.int64)]
+               if len(w) > SEARCH_ROWS else w for w in weights]
     ref = [X @ w.T for w in weights]
 
     def score(candidate):
@@ -218,7 +226,6 @@ def search_scale(st: InputStats, weights: list, quantize, quantize_input=None,
             err += float(np.dot(d, d))
         return label, s, err
 
-    candidates = _candidates(st, weights, activations)
     with ThreadPoolExecutor(min(len(candidates), host_threads())) as pool:
         scored = list(pool.map(score, candidates))
     best = None

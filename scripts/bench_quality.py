@@ -130,7 +130,9 @@ def stored_bytes(params: list, V: int, H: int, quantized: dict) -> tuple:
             remaining.remove(p)
         return hits
 
-    fmt = next((v for k, v in quantized.items() if "lm_head" in k or "embed_tokens" in k), None)
+    # an untied model lists its 8-bit lookup table under embed_tokens too: the head is lm_head's
+    fmt = (next((v for k, v in quantized.items() if "lm_head" in k), None)
+           or next((v for k, v in quantized.items() if "embed_tokens" in k), None))
     if fmt is not None:
         from tvm_llm.quantization.formats import get_format
         from tvm_llm.quantization.scheme import packed_shapes

@@ -188,10 +188,9 @@ CLI_RECIPES = {"q4": {"bits_per_weight": 4.6, "calibrate": "none"}}
 
 def stored_decode_bytes(out: str, shape: str) -> float:
     """Bytes a decode step reads from our build's weights: every stored tensor but the
-    embedding lookup table (scripts/bench_quality.stored_bytes), as the build laid them out
+    embedding lookup table (tvm_llm.quantization.report.stored_bytes), as the build laid them out
     (mixed formats, scales, packing included)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_quality import stored_bytes
+    from tvm_llm.quantization.report import stored_bytes
 
     with open(os.path.join(out, "manifest.json")) as f:
         manifest = json.load(f)

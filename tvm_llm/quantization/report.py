@@ -20,3 +20,60 @@ def summarize(report: dict) -> dict:
         bits += N * K * format_bits(FLOAT)
         total += N * K
     return {"format_counts": counts, "bits_per_weight": round(bits / total, 4) if total else 0.0}
+
+
+def stored_bytes(params: list, V: int, H: int, quantized: dict) -> tuple:
+    """(bytes of every stored tensor but the embedding lookup table, bytes of the LM head) from a
+    manifest's params (name, shape, dtype, nbytes) for a vocabulary V and hidden size H.
+
+    The head is found by its exact layout: a quantized head (listed in `quantized`) by the
+    (shape, dtype) list its format's packer makes (quantization/scheme.packed_shapes); a float
+    head as a float (V, H) table or a GEMM-packed (V / PN, H, PN) copy of it (float CPU builds
+    pack the head under a new name and keep the table for the lookup). The lookup table is any
+    other tensor led by V rows (float (V, H), or quantized rows and their scales). When the
+    head reads the table itself (one tensor), nothing is left to drop. Matching by shape
+    rather than by count of elements: a decoder layer's packed tensors can hold exactly V rows'
+    worth of elements (SmolLM2: gate_up's scales (3072, 18, 16), 3072 * 16 = V)."""
+    import re
+
+    import numpy as np
+
+    remaining = list(params)
+
+    def take(match) -> list:
+        hits = [p for p in remaining if match(p)]
+        for p in hits:
+            remaining.remove(p)
+        return hits
+
+    # an untied model lists its 8-bit lookup table under embed_tokens too: the head is lm_head's
+    fmt = (next((v for k, v in quantized.items() if "lm_head" in k), None)
+           or next((v for k, v in quantized.items() if "embed_tokens" in k), None))
+    if fmt is not None:
+        from .formats import get_format
+        from .scheme import packed_shapes
+
+        layout = "vnni" if fmt.get("activations") == "int8" else "rows"
+        head = []
+        for shape, dtype in packed_shapes(get_format(fmt["format"]), V, H, layout):
+            hit = next((p for p in reversed(remaining)
+                        if list(p["shape"]) == list(shape) and p["dtype"] == dtype), None)
+            if hit is None:
+                raise ValueError(f"the {fmt['format']} head's tensor {shape} {dtype} is not stored")
+            remaining.remove(hit)
+            head.append(hit)
+    else:
+        is_float = lambda p: p["dtype"].startswith(("float", "bfloat"))  # noqa: E731
+        head = take(lambda p: is_float(p) and len(p["shape"]) == 3 and p["shape"][1] == H
+                    and p["shape"][0] * p["shape"][2] == V)
+        if not head:  # the head reads the float table itself
+            head = take(lambda p: is_float(p) and list(p["shape"]) == [V, H])[:1]
+        if not head:
+            raise ValueError("no float LM head of shape (V, H) or (V / PN, H, PN) among the params")
+    table = take(lambda p: len(p["shape"]) >= 2 and p["shape"][0] == V)
+    head_bytes = sum(p["nbytes"] for p in head)
+    for p in head + table:  # self-check: the manifest's sizes are whole tensors of their dtype
+        bits = int(re.match(r"[a-z]+(\d+)", p["dtype"]).group(1))
+        if p["nbytes"] * 8 != int(np.prod(p["shape"])) * bits:
+            raise ValueError(f"tensor {p['name']} {p['shape']} {p['dtype']}: {p['nbytes']} bytes")
+    return sum(p["nbytes"] for p in params) - sum(p["nbytes"] for p in table), head_bytes

@@ -536,7 +536,7 @@ def fisher_units(model, calib, candidates: list, importance: dict | None = None,
     round-to-nearest stand-in (calibration.fast_round_trip), ~50x cheaper on a whole model."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .formats import FORMATS, fake_quantize, host_threads
+    from .formats import FORMATS, fake_quantize
     from .mix import Unit
     from .simulation import merged_names, plan_linears
 

@@ -10,6 +10,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import tiny_models  # noqa: E402
+import torch  # noqa: E402
+
+# The reference models in these tests are tiny: torch on one thread is as fast, and a second
+# OpenMP thread contends with TVM's spinning worker pool on a 2-core machine (100x slower forwards).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,9 @@ emits it for `--activations int8` on CPUs with VNNI; TVM's rules skip it (marked
 Activations: each row of x is quantized at run time with one scale per 32 consecutive input
 features (quantization/formats.py quantize_activation: s = max|x| / 127, q = round(x * 127 /
 max|x|)); per block the sum of its int8 values is kept for the weights' offset / minimum term.
+At batch 1 this runs on the calling thread before the one parallel region of the call (a row is
+~K/32 blocks of a few vector instructions: cheaper than a second thread-pool launch); from 8
+rows on, rows are quantized in parallel.
 
 Weight layout (packed at build time by quantization/scheme.pack_vnni from the numpy
 reference's stored arrays), per 16 output rows (a tile) and group g of 32 inputs:
@@ -35,7 +38,17 @@ allocations): every group stored and reloaded its tiles, coefficients and the ac
 Measured with scripts/bench_int8_kernel.py (1 thread, CPU time, machine shared), llama-110m
 gate_up 768 -> 4096: q4_k 144 -> 93 us with weights cold (past the LLC), 43 us hot, so the
 kernel is now bound by memory, not by unpacking; q8_0 287 -> 203 us cold; LM head 768 -> 32000
-q4_k 1531 -> 715 us.
+q4_k 1531 -> 715 us. Each tile's 16 sums accumulate directly in y (float32 output): a local
+accumulator per tile had become a workspace allocation and free per tile (NT of them per call).
+
+Where decode's time goes (scripts/bench_int8_kernel.py --asm, then A/B in one process; machine
+shared, so wall times were 2-5x the CPU times and only CPU times compare): the inner loop of a
+super-block is loads, nibble masks, 64 vpdpbusd and the float epilogue with no stores but one
+per block; with hot weights one core runs ~1.4 G vpdpbusd/s (q4_k llama-110m gate_up 35 us per
+call, the same per row in prefill: the VNNI issue rate is the compute bound), with cold weights
+~20 GB/s per core (1 thread), ~35-40 GB/s of CPU time with 2 threads. Prefetch distances of 0,
+4, 8, 16, 32 KiB and locality hints t0/t1/nta, and 2 or 4 partial dot-product chains per group,
+changed no time beyond noise (+-3%), so the prefetch stays at 8 KiB (the batched path needs it).
 
 Rows of x (prefill, batched decode): each group's weight tiles are loaded (and for 4 bits
 unpacked) once into a local buffer of 8 tiles and used for every row (reads from L1 at worst),
@@ -52,6 +65,11 @@ faster. A direct tvm.compile of this PrimFunc generates better code than the bui
 (there the 8 tiles and the float sums are reloaded from memory every row: ~175 GOP/s per core
 at 8 rows with hot weights against ~290 for the direct compile): the next step for batched
 decode is keeping the tiles in registers in the build's pipeline too.
+Tried and measured equal (1 thread, hot weights, 32 rows, llama-110m gate_up, q4_k and q8_0:
+all within +-3% of ~1.15 ms, i.e. ~36 us per row, the decode kernel's hot time per row): block_sum
+per row with accumulators in y, rows in blocks of 1/2/4/8 as one expression (a 16*rows-lane
+vector), rows outside the groups. Every variant issues the same vpdpbusd count and the VNNI issue
+rate bounds them all on this machine, so the buffers path stays.
 """
 from __future__ import annotations
 

@@ -12,10 +12,13 @@ shared machine the CPU time is the steadier one, and the per-row and GOP/s colum
 The machine's read bandwidth at --threads (scripts/bench.py machine_limits, in a subprocess so
 torch's threads do not compete with TVM's) is measured before and after the kernels in the same
 run; the `share` column is the wall GB/s over the larger of the two. `--asm FILE` writes the
-generated assembly of every compiled kernel there.
+generated assembly of every compiled kernel there. `--against FILE` also compiles the kernel of
+another copy of schedules/cpu/int8_act_matmul.py (e.g. `git show HEAD~1:schedules/cpu/
+int8_act_matmul.py > /tmp/old.py`) and times the two interleaved, round by round, in one
+process (lines marked `*`): on a shared machine the only comparison that holds.
 
     python scripts/bench_int8_kernel.py --threads 2 [--shape llama-1b] [--formats q8_0,q4_k]
-        [--rows 1,2,4,8,16] [--only qkv,down] [--cold] [--asm /tmp/k.s]
+        [--rows 1,2,4,8,16] [--only qkv,down] [--cold] [--asm /tmp/k.s] [--against /tmp/old.py]
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ def _parse():
     p.add_argument("--shape", default="llama-110m", help="a scripts/bench.py shape")
     p.add_argument("--asm", default="", help="write the kernels' assembly to this file")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the read-bandwidth reference")
+    p.add_argument("--against", default="", help="another int8_act_matmul.py to time beside this one")
     return p.parse_args()
 
 
@@ -79,6 +83,23 @@ def read_bandwidth(threads: int) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def compiled_from(path: str, fmt: str, K: int, N: int):
+    """compiled() with the kernel function of another copy of int8_act_matmul.py."""
+    import importlib.util
+
+    import schedules.cpu.int8_act_matmul as kernel_module
+
+    spec = importlib.util.spec_from_file_location("int8_act_matmul_against", path)
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    own = kernel_module.int8_act_matmul_func
+    kernel_module.int8_act_matmul_func = other.int8_act_matmul_func  # the target imports it per call
+    try:
+        return compiled(fmt, K, N)
+    finally:
+        kernel_module.int8_act_matmul_func = own
+
+
 def compiled(fmt: str, K: int, N: int):
     """main(x (M, 1, K), *stored) -> y, lowered and compiled as a build does (the QuantizeLinear
     pass's emitter, our lowering and CPU schedule pass): a direct tvm.compile of the PrimFunc
@@ -108,19 +129,21 @@ def compiled(fmt: str, K: int, N: int):
     return relax.VirtualMachine(ex, tvm.cpu())["main"]
 
 
-def _time(call, copies: int):
-    """(best wall seconds, best CPU seconds of all threads) per call: on a shared machine the
-    CPU time is the steadier figure (the wall time includes waiting for a core)."""
+def _time(calls, copies: int):
+    """[(best wall seconds, best CPU seconds of all threads)] per call of each of `calls`, timed
+    round by round in turn: on a shared machine the CPU time is the steadier figure (the wall
+    time includes waiting for a core)."""
     iters = max(copies, 10)
-    best, best_cpu = 1e9, 1e9
+    best = [(1e9, 1e9)] * len(calls)
     for _ in range(ARGS.repeats):
-        call(0)
-        t0, c0 = time.perf_counter(), time.process_time()
-        for i in range(iters):
-            call(i)
-        best = min(best, (time.perf_counter() - t0) / iters)
-        best_cpu = min(best_cpu, (time.process_time() - c0) / iters)
-    return best, best_cpu
+        for k, call in enumerate(calls):
+            call(0)
+            t0, c0 = time.perf_counter(), time.process_time()
+            for i in range(iters):
+                call(i)
+            t, c = (time.perf_counter() - t0) / iters, (time.process_time() - c0) / iters
+            best[k] = (min(best[k][0], t), min(best[k][1], c))
+    return best
 
 
 def main():
@@ -145,23 +168,24 @@ def main():
             nbytes = sum(a.nbytes for a in arrays)
             copies = max(1, int(ARGS.rotate_mb * 2**20 // nbytes) + 1) if ARGS.cold else 1
             sets = [[tvm.runtime.tensor(a.copy(), dev) for a in arrays] for _ in range(copies)]
-            f = compiled(fmt, K, N)
+            fs = [compiled(fmt, K, N)] + ([compiled_from(ARGS.against, fmt, K, N)] if ARGS.against else [])
             wd = fake_quantize(w, fmt)
-            t1 = None
+            t1 = [None] * len(fs)
             for m in rows:
                 x = rng.standard_normal((m, 1, K)).astype("float32")  # decode layout
                 ref = fake_quantize_activation(x).reshape(m, K) @ wd.T
                 xt = tvm.runtime.tensor(x, dev)
-                got = f(xt, *sets[0]).numpy()
-                err = float(np.abs(got.reshape(m, N) - ref).max() / np.abs(ref).max())
-                t, cpu = _time(lambda i: f(xt, *sets[i % copies]), copies)
-                t1 = cpu if m == 1 else t1
-                per_row = f"{cpu / m / t1:13.2f}" if t1 else f"{'':>13}"
-                share = f"{nbytes / t / 1e9 / bw:5.2f}" if bw else f"{'':>5}"
-                print(f"{name:>8} {fmt:>5} {m:3d} {t * 1e6:8.1f} {cpu * 1e6:8.1f} {nbytes / 1e6:6.2f} "
-                      f"{nbytes / t / 1e9:6.1f} {share} {per_row} {2 * N * K * m / cpu / 1e9:7.1f} {err:11.2e}",
-                      flush=True)
-                results.append((name, fmt, m, t, nbytes))
+                errs = [float(np.abs(f(xt, *sets[0]).numpy().reshape(m, N) - ref).max() / np.abs(ref).max())
+                        for f in fs]
+                times = _time([lambda i, f=f: f(xt, *sets[i % copies]) for f in fs], copies)
+                for k, ((t, cpu), err) in enumerate(zip(times, errs)):
+                    t1[k] = cpu if m == 1 else t1[k]
+                    per_row = f"{cpu / m / t1[k]:13.2f}" if t1[k] else f"{'':>13}"
+                    share = f"{nbytes / t / 1e9 / bw:5.2f}" if bw else f"{'':>5}"
+                    print(f"{name + ('*' if k else ''):>8} {fmt:>5} {m:3d} {t * 1e6:8.1f} {cpu * 1e6:8.1f} "
+                          f"{nbytes / 1e6:6.2f} {nbytes / t / 1e9:6.1f} {share} {per_row} "
+                          f"{2 * N * K * m / cpu / 1e9:7.1f} {err:11.2e}", flush=True)
+                    results.append((name + ("*" if k else ""), fmt, m, t, nbytes))
             del sets
     if not ARGS.no_bandwidth:
         bw2 = read_bandwidth(ARGS.threads)

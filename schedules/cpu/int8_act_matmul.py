@@ -6,6 +6,9 @@ emits it for `--activations int8` on CPUs with VNNI; TVM's rules skip it (marked
 Activations: each row of x is quantized at run time with one scale per 32 consecutive input
 features (quantization/formats.py quantize_activation: s = max|x| / 127, q = round(x * 127 /
 max|x|)); per block the sum of its int8 values is kept for the weights' offset / minimum term.
+At batch 1 this runs on the calling thread before the one parallel region of the call (a row is
+~K/32 blocks of a few vector instructions: cheaper than a second thread-pool launch); from 8
+rows on, rows are quantized in parallel.
 
 Weight layout (packed at build time by quantization/scheme.pack_vnni from the numpy
 reference's stored arrays), per 16 output rows (a tile) and group g of 32 inputs:
@@ -35,7 +38,17 @@ allocations): every group stored and reloaded its tiles, coefficients and the ac
 Measured with scripts/bench_int8_kernel.py (1 thread, CPU time, machine shared), llama-110m
 gate_up 768 -> 4096: q4_k 144 -> 93 us with weights cold (past the LLC), 43 us hot, so the
 kernel is now bound by memory, not by unpacking; q8_0 287 -> 203 us cold; LM head 768 -> 32000
-q4_k 1531 -> 715 us.
+q4_k 1531 -> 715 us. Each tile's 16 sums accumulate directly in y (float32 output): a local
+accumulator per tile had become a workspace allocation and free per tile (NT of them per call).
+
+Where decode's time goes (scripts/bench_int8_kernel.py --asm, then A/B in one process; machine
+shared, so wall times were 2-5x the CPU times and only CPU times compare): the inner loop of a
+super-block is loads, nibble masks, 64 vpdpbusd and the float epilogue with no stores but one
+per block; with hot weights one core runs ~1.4 G vpdpbusd/s (q4_k llama-110m gate_up 35 us per
+call, the same per row in prefill: the VNNI issue rate is the compute bound), with cold weights
+~20 GB/s per core (1 thread), ~35-40 GB/s of CPU time with 2 threads. Prefetch distances of 0,
+4, 8, 16, 32 KiB and locality hints t0/t1/nta, and 2 or 4 partial dot-product chains per group,
+changed no time beyond noise (+-3%), so the prefetch stays at 8 KiB (the batched path needs it).
 
 Rows of x (prefill, batched decode): each group's weight tiles are loaded (and for 4 bits
 unpacked) once into a local buffer of 8 tiles and used for every row (reads from L1 at worst),
@@ -52,6 +65,11 @@ faster. A direct tvm.compile of this PrimFunc generates better code than the bui
 (there the 8 tiles and the float sums are reloaded from memory every row: ~175 GOP/s per core
 at 8 rows with hot weights against ~290 for the direct compile): the next step for batched
 decode is keeping the tiles in registers in the build's pipeline too.
+Tried and measured equal (1 thread, hot weights, 32 rows, llama-110m gate_up, q4_k and q8_0:
+all within +-3% of ~1.15 ms, i.e. ~36 us per row, the decode kernel's hot time per row): block_sum
+per row with accumulators in y, rows in blocks of 1/2/4/8 as one expression (a 16*rows-lane
+vector), rows outside the groups. Every variant issues the same vpdpbusd count and the VNNI issue
+rate bounds them all on this machine, so the buffers path stays.
 """
 from __future__ import annotations
 
@@ -182,39 +200,44 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
                 + T.Cast("float32x16", dot_chain(T.Broadcast(T.int32(0), TILE_N), tiles, xq, r, g)) \
                 * (ab[0] * T.Broadcast(xs[r, g], TILE_N)) + ab[1] * T.Broadcast(xo[r, g], TILE_N)
 
+    def hmax(v, n):
+        """max over the n lanes of the float32 vector expression v (halving shuffles)."""
+        while n > 1:
+            n //= 2
+            v = T.max(T.Shuffle([v], [T.int32(i) for i in range(n)]),
+                      T.Shuffle([v], [T.int32(n + i) for i in range(n)]))
+        return v
+
+    def hsum(v, n):
+        """sum over the n lanes of the int32 vector expression v."""
+        while n > 1:
+            n //= 2
+            v = T.Shuffle([v], [T.int32(i) for i in range(n)]) + T.Shuffle([v], [T.int32(n + i) for i in range(n)])
+        return v
+
     @T.macro
     def quantize_row(x, xq, xs, xo, r, B):
-        """Row r of x as int8 with one scale per 32 (xs) and the block's offset term (xo)."""
+        """Row r of x as int8 with one scale per 32 (xs) and the block's offset term (xo), in
+        vector expressions: a block is two 16-lane loads, a shuffle-tree max, two rounded
+        converts and a shuffle-tree sum (written per lane with local buffers, TVM scalarized
+        the rounding: 32 scalar converts and byte stores per block)."""
         for g in range(NG):
-            lanes = T.alloc_buffer((16,), "float32", scope="local")
-            for l in T.vectorized(16):
-                lanes[l] = T.max(T.abs(x[r // B, r % B, g * GROUP + l]),
-                                 T.abs(x[r // B, r % B, g * GROUP + 16 + l]))
-            for l in T.vectorized(8):
-                lanes[l] = T.max(lanes[l], lanes[l + 8])
-            for l in T.vectorized(4):
-                lanes[l] = T.max(lanes[l], lanes[l + 4])
             amax = T.alloc_buffer((1,), "float32", scope="local")
-            amax[0] = T.max(T.max(lanes[0], lanes[1]), T.max(lanes[2], lanes[3]))
+            amax[0] = hmax(T.max(T.abs(x[r // B, r % B, T.Ramp(g * GROUP, 1, 16)]),
+                                 T.abs(x[r // B, r % B, T.Ramp(g * GROUP + 16, 1, 16)])), 16)
             xs[r, g] = amax[0] / T.float32(127)
-            inv = T.alloc_buffer((1,), "float32", scope="local")
-            inv[0] = T.Select(amax[0] > T.float32(0), T.float32(127) / amax[0], T.float32(0))
-            part = T.alloc_buffer((16,), "int32", scope="local")
-            for j0 in range(2):
-                for l in T.vectorized(16):
-                    xq[r, g * GROUP + j0 * 16 + l] = T.Cast("int8", T.Cast("int32", T.max(T.min(
-                        T.nearbyint(x[r // B, r % B, g * GROUP + j0 * 16 + l] * inv[0]),
-                        T.float32(127)), T.float32(-127))))
-            for l in T.vectorized(16):
-                part[l] = T.Cast("int32", xq[r, g * GROUP + l]) + T.Cast("int32", xq[r, g * GROUP + 16 + l])
-            for l in T.vectorized(8):
-                part[l] = part[l] + part[l + 8]
-            for l in T.vectorized(4):
-                part[l] = part[l] + part[l + 4]
+            inv = T.Broadcast(T.Select(amax[0] > T.float32(0), T.float32(127) / amax[0], T.float32(0)), 16)
+            hi, lo = T.Broadcast(T.float32(127), 16), T.Broadcast(T.float32(-127), 16)
+            q0 = T.Cast("int32x16", T.max(T.min(T.nearbyint(x[r // B, r % B, T.Ramp(g * GROUP, 1, 16)] * inv),
+                                                hi), lo))
+            q1 = T.Cast("int32x16", T.max(T.min(T.nearbyint(x[r // B, r % B, T.Ramp(g * GROUP + 16, 1, 16)] * inv),
+                                                hi), lo))
+            xq[r, T.Ramp(g * GROUP, 1, 16)] = T.Cast("int8x16", q0)
+            xq[r, T.Ramp(g * GROUP + 16, 1, 16)] = T.Cast("int8x16", q1)
             if kind == "sym":
-                xo[r, g] = (part[0] + part[1] + part[2] + part[3]) * T.int32(-int(off))
+                xo[r, g] = hsum(q0 + q1, 16) * T.int32(-int(off))
             else:
-                xo[r, g] = T.Cast("float32", part[0] + part[1] + part[2] + part[3]) * xs[r, g]
+                xo[r, g] = T.Cast("float32", hsum(q0 + q1, 16)) * xs[r, g]
 
     @T.macro
     def kernel(x, y, wp, p0, p1, p2, p3, A, B):
@@ -229,7 +252,15 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
             for r in range(A * B):
                 quantize_row(x, xq, xs, xo, r, B)
         # 2. tiles of 16 rows in parallel; each group's tiles unpacked once for all rows of x
-        if A * B == 1:
+        if A * B == 1 and out_dtype == "float32":
+            for nt in T.parallel(NT):
+                y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
+                for u in range(NG // U):
+                    for j in T.unroll(U):
+                        prefetch(wp, nt, u * U + j)
+                    y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] \
+                        + block_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u)
+        elif A * B == 1:
             for nt in T.parallel(NT):
                 fsum = T.alloc_buffer((1, TILE_N), "float32", scope="local")
                 fsum[0, T.Ramp(0, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)

@@ -99,6 +99,8 @@ class Engine:
         self.weights = _upload_weights(os.path.join(out_dir, artifact.WEIGHTS),
                                        self.manifest["params"], tvm, self.device)
         self._tvm = tvm
+        self._decode_fn = self.vm["decode"]  # looked up once: a lookup per step costs a microsecond
+        self._decode_buffers: dict = {}  # batch size -> the decode inputs (tensors, numpy views)
         self.cache = PagedKVCache(
             self.vm, max_batch_size or kv_cfg["max_batch_size"],
             kv_cache_tokens or kv_cfg["max_total_seq_len"], kv_cfg["prefill_chunk_size"],
@@ -213,14 +215,32 @@ class Engine:
     def decode_step(self, seq_ids: list, tokens: list) -> np.ndarray:
         """One token per sequence -> logits (len(seq_ids), vocab)."""
         with self._lock:
-            pos = np.array([[self.cache.sequences[s]] for s in seq_ids], dtype="int64")
+            ids = self._checked(np.asarray(tokens, dtype="int64"))
+            pos = [self.cache.sequences[s] for s in seq_ids]
             self.cache.begin(seq_ids, [1] * len(seq_ids))
             try:
-                out = self.vm["decode"](self._tensor(self._checked(np.asarray(tokens, dtype="int64"))[:, None]),
-                                        self._tensor(pos), self.cache.handle, *self.weights)
+                out = self._decode_fn(*self._decode_inputs(ids, pos), self.cache.handle,
+                                      *self.weights)
             finally:
                 self.cache.end()
-            return out.numpy()[:, 0].astype(np.float32, copy=False)
+            return _host_rows(out)
+
+    def _decode_inputs(self, ids: np.ndarray, pos: list) -> tuple:
+        """The decode call's (input ids, positions) tensors, both (batch, 1) int64. On the CPU
+        they are kept per batch size and written in place through numpy views (called under
+        the lock): creating two small tensors per step cost more host time than many of the
+        step's kernels. Other devices: fresh tensors (a copy to the device either way)."""
+        if self.device.dlpack_device_type() != 1:  # not the CPU (kDLCPU)
+            return self._tensor(ids[:, None]), self._tensor(np.asarray(pos, dtype="int64")[:, None])
+        held = self._decode_buffers.get(len(pos))
+        if held is None:
+            tensors = (self._tensor(np.zeros((len(pos), 1), "int64")),
+                       self._tensor(np.zeros((len(pos), 1), "int64")))
+            held = self._decode_buffers[len(pos)] = (tensors, [np.from_dlpack(t) for t in tensors])
+        tensors, (ids_view, pos_view) = held
+        ids_view[:, 0] = ids
+        pos_view[:, 0] = pos
+        return tensors
 
     def hidden_states(self, token_ids) -> tuple:
         with self._lock:
@@ -725,6 +745,14 @@ def _upload_weights(path: str, table: list, tvm, device) -> list:
         if mapped is not None and end and hasattr(mapped, "madvise"):
             mapped.madvise(mmap.MADV_DONTNEED, 0, end)
     return out
+
+
+def _host_rows(out) -> np.ndarray:
+    """Decode logits (batch, 1, vocab) on the host as float32 (batch, vocab), a copy the caller
+    owns. A float32 CPU result is read through DLPack (one memcpy); others through numpy()."""
+    if out.dtype == "float32" and out.device.dlpack_device_type() == 1:
+        return np.from_dlpack(out)[:, 0].copy()
+    return out.numpy()[:, 0].astype(np.float32, copy=False)
 
 
 PREFILL_TIMING_TOKENS = 32  # prefill calls this long time the per-token cost

@@ -733,18 +733,52 @@ def _upload_weights(path: str, table: list, tvm, device) -> list:
     """Copy each weight from the memory-mapped weights.bin into a device tensor, dropping the
     file's pages from this process after each copy (MADV_DONTNEED; they stay in the page cache).
     Without that, every mapped page read stays resident until the map is closed, so loading
-    would hold the weights twice at its peak: the mapped file and the copies."""
+    would hold the weights twice at its peak: the mapped file and the copies. On the CPU the
+    copies of weights of 2 MiB and more go on transparent huge pages (_advise_huge_pages):
+    llama-110m fp32 decode took 5-20% less CPU time a step so (1 thread, machine shared)."""
     import mmap
 
     host = artifact.load_weights(path, table)
     mapped = getattr(host[0], "_mmap", None) if host else None
+    huge = device.dlpack_device_type() == 1 and _huge_pages_wanted()
     out = []
     for entry, w in zip(table, host):
-        out.append(tvm.runtime.tensor(w, device))
+        if huge and entry["nbytes"] >= HUGE_PAGE:
+            t = tvm.runtime.empty(tuple(entry["shape"]), entry["dtype"], device)
+            _advise_huge_pages(t.data_ptr(), entry["nbytes"])  # before the copy touches it
+            t.copyfrom(w)
+            out.append(t)
+        else:
+            out.append(tvm.runtime.tensor(w, device))
         end = (entry["offset"] + entry["nbytes"]) // mmap.PAGESIZE * mmap.PAGESIZE
         if mapped is not None and end and hasattr(mapped, "madvise"):
             mapped.madvise(mmap.MADV_DONTNEED, 0, end)
     return out
+
+
+HUGE_PAGE = 2 << 20  # x86-64 / aarch64 transparent huge page
+
+
+def _huge_pages_wanted() -> bool:
+    """Weights on transparent huge pages unless TVM_LLM_HUGE_PAGES=0 (an A/B switch), on Linux."""
+    return os.environ.get("TVM_LLM_HUGE_PAGES", "1") != "0" and os.path.exists(
+        "/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _advise_huge_pages(addr: int, nbytes: int) -> None:
+    """Ask Linux to back the whole 2 MiB pages of [addr, addr + nbytes) with transparent huge
+    pages (madvise MADV_HUGEPAGE; most kernels enable THP only where asked). A decode step
+    streams every weight once: on 4 KiB pages each 4 KiB is a TLB miss and a point where the
+    hardware prefetchers stop. Best effort: a refusal leaves ordinary pages."""
+    import ctypes
+
+    start = -(-addr // HUGE_PAGE) * HUGE_PAGE
+    end = (addr + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if end <= start:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise(start, end - start, 14)  # MADV_HUGEPAGE
 
 
 def _host_rows(out) -> np.ndarray:

@@ -69,7 +69,7 @@ def profile(out: str, threads: int, context: int, steps: int) -> dict:
                 step_kernel[0] += dt
         return 0
 
-    decode_fn = eng._decode_fn
+    decode_fn = getattr(eng, "_decode_fn", None)  # None: an older engine (no glue figure)
 
     def timed_decode(*args):  # the VM call alone, to tell the engine's glue from the VM's
         t0 = time.perf_counter()
@@ -78,7 +78,8 @@ def profile(out: str, threads: int, context: int, steps: int) -> dict:
         finally:
             vm_call[0] = time.perf_counter() - t0
 
-    eng._decode_fn = timed_decode
+    if decode_fn is not None:
+        eng._decode_fn = timed_decode
     walls, vm_walls, hooked = [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -94,7 +95,8 @@ def profile(out: str, threads: int, context: int, steps: int) -> dict:
             eng.vm.set_instrument(None)
         wall_i = time.perf_counter() - t0
         hooked.append(wall_i - step_kernel[0])
-    eng._decode_fn = decode_fn
+    if decode_fn is not None:
+        eng._decode_fn = decode_fn
     eng.cache.remove(sid)
 
     kern = {k: v for k, v in calls.items() if is_kernel(k)}
@@ -117,7 +119,8 @@ def profile(out: str, threads: int, context: int, steps: int) -> dict:
             "host_builtin_ms": sum(ms for ms, _, _ in table(host)),
             "outside_ms": (wall - kernel_s) * 1e3,
             "outside_share": (wall - kernel_s) / wall,
-            "glue_ms": statistics.median(w - v for w, v in zip(walls, vm_walls)) * 1e3,
+            "glue_ms": (statistics.median(w - v for w, v in zip(walls, vm_walls)) * 1e3
+                        if decode_fn is not None else float("nan")),
             "hooked_outside_ms": statistics.median(hooked) * 1e3,
             "top": table(kern), "host": table(host)}
 

@@ -128,3 +128,29 @@ def test_a_prefill_call_longer_than_the_chunk_is_a_user_error(engine):
     finally:
         engine.cache.remove(sid)
     assert len(engine.generate_ids([PROMPTS[0]], max_new_tokens=4, ignore_eos=True)[0]) == 4
+
+
+def test_weights_on_huge_pages_keep_their_bytes():
+    """engine._advise_huge_pages (the weights' transparent huge pages) on a fresh 6 MiB tensor
+    before it is written: the bytes written are the bytes read, and where the kernel offers
+    THP on request ([madvise] or [always]) the process holds more anonymous huge pages after."""
+    import re
+
+    import tvm
+
+    from tvm_llm.runtime.engine import HUGE_PAGE, _advise_huge_pages
+
+    def huge_kb():
+        with open("/proc/self/smaps_rollup") as f:
+            return int(re.search(r"AnonHugePages:\s+(\d+)", f.read()).group(1))
+
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        offered = "[never]" not in f.read()
+    before = huge_kb()
+    data = np.random.default_rng(0).integers(0, 255, size=3 * HUGE_PAGE, dtype=np.uint8)
+    t = tvm.runtime.empty(data.shape, "uint8", tvm.cpu())
+    _advise_huge_pages(t.data_ptr(), data.nbytes)
+    t.copyfrom(data)
+    np.testing.assert_array_equal(t.numpy(), data)
+    if offered:
+        assert huge_kb() >= before + HUGE_PAGE // 1024

@@ -13,9 +13,10 @@ calls it unchanged) and:
   halves), one online-softmax rescale per page instead of per token, a full page's
   exponentials as one vector of arithmetic (no libm call per key), then the weighted V rows
   with each output slice kept in a register;
-* in decode with fewer than SPLIT_ITEMS (sequence, KV head) items (batch 1, few KV heads),
+* in decode with at most SPLIT_ITEMS / 2 (sequence, KV head) items (batch 1, few KV heads),
   splits each sequence's keys into page-aligned chunks attended in parallel and merged by
-  their maxima, so that every thread has work;
+  their maxima, so that every thread has work (with more items a split would give each one
+  chunk: a second parallel pass and a workspace for nothing);
 * requires the rotary embedding to be applied before the cache (our import uses
   RopeMode.NONE, see tvm_llm/frontend/relax_import.py); rotary_mode is ignored.
 
@@ -39,7 +40,7 @@ from tvm.script import tirx as T
 from .fast_math import fast_exp_expr
 
 PAGE_SIZES = (8, 16, 32, 64, 128)  # page sizes the kernels are built for (tokens per page)
-# decode with fewer (sequence, KV head) items than this splits each sequence's keys into
+# decode with at most half this many (sequence, KV head) items splits each sequence's keys into
 # SPLIT_ITEMS // items chunks attended in parallel (so that every thread of a 16-core machine
 # has work at batch 1 with few KV heads), merged by their maxima
 SPLIT_ITEMS = 16
@@ -307,7 +308,9 @@ def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, d
     start, block, finish = _online_softmax_macros(G, D, L, dtype, table, H_qo, vector)
     over_pages = _over_pages_macro(block, PAGE, H_kv, D)
     symbol = "batch_decode_paged_kv_cpu" + ("_sliding_window" if sliding else "")
-    split = vector  # CPU builds split the context when items are few (GPU: one item a thread)
+    # CPU builds split the context when items are few (GPU: one item a thread); with more KV
+    # heads than SPLIT_ITEMS // 2 a batch never has that few items
+    split = vector and H_kv <= SPLIT_ITEMS // 2
 
     @T.prim_func(check_well_formed=False)
     def decode_attention(Q_handle: T.handle, pages_handle: T.handle,
@@ -342,7 +345,9 @@ def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, d
                                      elem_offset=length_info_elem_offset)
         flat = T.decl_buffer((max_num_pages * 2 * H_kv * PAGE * D,), dtype, data=pages.data)
 
-        if not split or B * H_kv >= SPLIT_ITEMS:  # enough (sequence, KV head) items
+        # enough (sequence, KV head) items, or so many that a split would make one chunk each
+        # (an extra parallel pass and a workspace for nothing)
+        if not split or B * H_kv > SPLIT_ITEMS // 2:
             for bh in T.parallel(B * H_kv):
                 q = T.alloc_buffer((G, D), "float32", scope="local")
                 o = T.alloc_buffer((G, D), "float32", scope="local")

@@ -128,3 +128,39 @@ def test_a_prefill_call_longer_than_the_chunk_is_a_user_error(engine):
     finally:
         engine.cache.remove(sid)
     assert len(engine.generate_ids([PROMPTS[0]], max_new_tokens=4, ignore_eos=True)[0]) == 4
+
+
+def test_weights_uploaded_into_the_huge_page_arena_keep_their_bytes(tmp_path, monkeypatch):
+    """engine._upload_weights on the CPU: weights of several dtypes and sizes written by
+    artifact.save_weights come back with their shapes, dtypes and bytes from the one arena, and
+    where the kernel offers THP on request ([madvise] or [always]) the process holds at least
+    a 2 MiB huge page more after loading 6 MiB of them."""
+    import re
+
+    import tvm
+
+    from tvm_llm.runtime import artifact
+    from tvm_llm.runtime.engine import _upload_weights
+
+    def huge_kb():
+        with open("/proc/self/smaps_rollup") as f:
+            return int(re.search(r"AnonHugePages:\s+(\d+)", f.read()).group(1))
+
+    monkeypatch.delenv("TVM_LLM_HUGE_PAGES", raising=False)
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((768, 2048)).astype("float32"),  # 6 MiB
+              rng.integers(-128, 127, size=(3, 5), dtype=np.int8),
+              rng.standard_normal((7,)).astype("float16"),
+              rng.integers(0, 255, size=(33, 64), dtype=np.uint8)]
+    path = str(tmp_path / "weights.bin")
+    table = artifact.save_weights(path, [f"w{i}" for i in range(len(arrays))], arrays)
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        offered = "[never]" not in f.read()
+    before = huge_kb()
+    tensors = _upload_weights(path, table, tvm, tvm.cpu())
+    for t, a in zip(tensors, arrays):
+        assert tuple(t.shape) == a.shape and str(t.dtype) == str(a.dtype)
+        assert t.data_ptr() % 64 == 0
+        np.testing.assert_array_equal(t.numpy(), a)
+    if offered:
+        assert huge_kb() >= before + 2048

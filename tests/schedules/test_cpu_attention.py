@@ -89,3 +89,35 @@ def test_ragged_prefill_matches_numpy(kernels):
     want = np.stack([_attend(q[r], k[ind[b]:r + 1], v[ind[b]:r + 1])
                      for b in range(2) for r in range(ind[b], ind[b + 1])])
     np.testing.assert_allclose(out_t.numpy(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_decode_with_many_kv_heads_matches_numpy():
+    """More KV heads than SPLIT_ITEMS // 2 (12, MHA): the kernel is built without the split
+    path (a batch never has so few items that a split gives a chunk more than one), batch 1."""
+    import tvm
+
+    from schedules.cpu.attention import SPLIT_ITEMS, decode_attention_func
+    from tvm_llm.targets.llvm import LLVMTarget
+
+    h, d, n = 12, 32, 40
+    assert h > SPLIT_ITEMS // 2
+    func = tvm.compile(tvm.IRModule({"main": decode_attention_func(h, h, d, "float32", PAGE)}),
+                       target=LLVMTarget().tvm_target())["main"]
+    rng = np.random.default_rng(3)
+    pages = rng.standard_normal((4, 2, h, PAGE, d)).astype("float32")
+    ids = [2, 0, 3]
+    k, v = (rng.standard_normal((n, h, d)).astype("float32") for _ in range(2))
+    for t in range(n):
+        pages[ids[t // PAGE], 0, :, t % PAGE] = k[t]
+        pages[ids[t // PAGE], 1, :, t % PAGE] = v[t]
+    q = rng.standard_normal((1, h, d)).astype("float32")
+    want = np.empty_like(q[0])
+    for i in range(h):
+        s = k[:, i] @ q[0, i] * SCALE
+        p = np.exp(s - s.max())
+        want[i] = p @ v[:, i] / p.sum()
+    out_t, lse_t = _t(np.zeros((1, h, d), "float32")), _t(np.zeros((1, h), "float32"))
+    func(_t(q), _t(pages), _t(np.array([0, 3], "int32")), _t(np.array(ids, "int32")),
+         _t(np.array([(n - 1) % PAGE + 1], "int32")), _t(np.zeros(1, "int32")),
+         _t(np.array([n - 1], "int32")), out_t, lse_t, 0, 1.0, 1e4, SCALE)
+    np.testing.assert_allclose(out_t.numpy()[0], want, rtol=1e-4, atol=1e-5)

@@ -630,6 +630,7 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
     Tiles run in parallel, paired from both ends of the batch (tile j with tile n-1-j in
     consecutive items) so that a thread's share of the causal work is even."""
     G = H_qo // H_kv
+    DC = next(c for c in (8, 4, 2, 1) if D % c == 0)
     capped = table is not None and table.has_softcap
     sinks = table is not None and table.sinks is not None
     R = tirx.Ramp(0, 1, QT)
@@ -674,11 +675,16 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
             else:
                 s[t, R] = _vec_exp2(s[t, R] - st[3, R])
             st[1, R] = st[1, R] + s[t, R]
-        for d in range(D):
-            ot[d, R] = ot[d, R] * st[2, R]
+        # O^T in chunks of DC head-dim rows kept in registers over the block's keys: DC
+        # independent FMA chains, each P[t] vector used DC times
+        for d0 in range(D // DC):
+            for dd in T.unroll(DC):
+                ot[d0 * DC + dd, R] = ot[d0 * DC + dd, R] * st[2, R]
             for t in T.unroll(KB):
-                ot[d, R] = ot[d, R] + s[t, R] * bcast(T.Cast("float32", v_flat[
-                    ((T.min(t0 + t, kmax - 1) if masked else t0 + t) * H_kv + hk) * D + d]))
+                for dd in T.unroll(DC):
+                    ot[d0 * DC + dd, R] = ot[d0 * DC + dd, R] + s[t, R] * bcast(T.Cast(
+                        "float32", v_flat[((T.min(t0 + t, kmax - 1) if masked else t0 + t)
+                                           * H_kv + hk) * D + d0 * DC + dd]))
 
     @T.prim_func(check_well_formed=False)
     def prefill_ragged_attention(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle,

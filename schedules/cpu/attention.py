@@ -602,7 +602,7 @@ def prefill_ragged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim
 
 
 QT = 16  # query rows per tile of the tiled ragged prefill: one float32x16 vector, a row a lane
-KB = 16  # keys per block of the tiled ragged prefill
+KB = 16  # keys per block of the tiled ragged prefill (the kernel binds P[0..15] by name)
 
 
 def _vec_exp2(x):
@@ -630,7 +630,7 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
     Tiles run in parallel, paired from both ends of the batch (tile j with tile n-1-j in
     consecutive items) so that a thread's share of the causal work is even."""
     G = H_qo // H_kv
-    DC = next(c for c in (8, 4, 2, 1) if D % c == 0)
+    CHAINS = 4  # partial sums per score: FMA latency hidden within one key's expression
     capped = table is not None and table.has_softcap
     sinks = table is not None and table.sinks is not None
     R = tirx.Ramp(0, 1, QT)
@@ -643,14 +643,38 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
         """Lane mask of key t: lo <= t < hi."""
         return tirx.all(bcast(t) >= rng[0, R], bcast(t) < rng[1, R])
 
+    def key_row(t0, t, kmax, hk, masked):
+        """Flat index of key t0 + t's row (clamped into the batch in a masked block)."""
+        return ((T.min(t0 + t, kmax - 1) if masked else t0 + t) * H_kv + hk) * D
+
+    def score(qt, k_flat, row):
+        """S[t] = sum_d Q^T[d] * K[t, d] as one expression (CHAINS interleaved partial sums,
+        each term a vector FMA with a broadcast key element): no accumulator in memory, so the
+        code does not depend on LLVM proving that the kernel's buffers do not alias (inside a
+        whole model's module it could not, and load-add-store chains ran 3x slower)."""
+        parts = [None] * CHAINS
+        for d in range(D):
+            term = qt[d, R] * bcast(T.Cast("float32", k_flat[row + d]))
+            j = d % CHAINS
+            parts[j] = term if parts[j] is None else parts[j] + term
+        parts = [p for p in parts if p is not None]
+        while len(parts) > 1:
+            parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i]
+                     for i in range(0, len(parts), 2)]
+        return parts[0]
+
+    def weighted_values(ot, p, rescale, v_flat, rows, d):
+        """O^T[d] * rescale + sum_t P[t] * V[t, d], as one expression (two partial sums)."""
+        parts = [ot[d, R] * rescale, None]
+        for t in range(KB):
+            term = p[t] * bcast(T.Cast("float32", v_flat[rows[t] + d]))
+            parts[t % 2] = term if parts[t % 2] is None else parts[t % 2] + term
+        return parts[0] + parts[1]
+
     @T.macro
     def block(qt, ot, s, st, rng, k_flat, v_flat, t0, kmax, hk, sm_scale, masked):
         for t in T.unroll(KB):
-            s[t, R] = bcast(T.float32(0))
-        for d in range(D):
-            for t in T.unroll(KB):
-                s[t, R] = s[t, R] + qt[d, R] * bcast(T.Cast("float32", k_flat[
-                    ((T.min(t0 + t, kmax - 1) if masked else t0 + t) * H_kv + hk) * D + d]))
+            s[t, R] = score(qt, k_flat, key_row(t0, t, kmax, hk, masked))
         if capped:
             for t in T.unroll(KB):
                 s[t, R] = T.Select(bcast(_cap2(table, sm_scale) > T.float32(0)),
@@ -675,16 +699,15 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
             else:
                 s[t, R] = _vec_exp2(s[t, R] - st[3, R])
             st[1, R] = st[1, R] + s[t, R]
-        # O^T in chunks of DC head-dim rows kept in registers over the block's keys: DC
-        # independent FMA chains, each P[t] vector used DC times
-        for d0 in range(D // DC):
-            for dd in T.unroll(DC):
-                ot[d0 * DC + dd, R] = ot[d0 * DC + dd, R] * st[2, R]
-            for t in T.unroll(KB):
-                for dd in T.unroll(DC):
-                    ot[d0 * DC + dd, R] = ot[d0 * DC + dd, R] + s[t, R] * bcast(T.Cast(
-                        "float32", v_flat[((T.min(t0 + t, kmax - 1) if masked else t0 + t)
-                                           * H_kv + hk) * D + d0 * DC + dd]))
+        # P and the rescale bound to values (registers over the loop over d, not 16 reloads
+        # per row: the stores to O^T might alias `s` as far as LLVM knows)
+        p0, p1, p2, p3, p4, p5, p6, p7 = s[0, R], s[1, R], s[2, R], s[3, R], s[4, R], s[5, R], s[6, R], s[7, R]
+        p8, p9, p10, p11, p12, p13, p14, p15 = s[8, R], s[9, R], s[10, R], s[11, R], s[12, R], s[13, R], s[14, R], s[15, R]
+        rescale = st[2, R]
+        for d in range(D):
+            ot[d, R] = weighted_values(
+                ot, (p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15),
+                rescale, v_flat, [key_row(t0, t, kmax, hk, masked) for t in range(KB)], d)
 
     @T.prim_func(check_well_formed=False)
     def prefill_ragged_attention(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle,
@@ -762,13 +785,16 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
                 ot[d, R] = bcast(T.float32(0))
             st[0, R] = bcast(T.float32(-5e4))
             st[1, R] = bcast(T.float32(0))
-            for blk in range(T.ceildiv(lim[1] - lim[0], KB)):
-                if lim[0] + blk * KB >= lim[2] and lim[0] + blk * KB + KB <= lim[3]:
-                    block(qt, ot, s, st, rng, k_flat, v_flat, lim[0] + blk * KB, lim[1], hk,
-                          sm_scale, False)
+            kmin = lim[0]  # bound once: scalars, not reloads of `lim` in the block
+            kmax = lim[1]
+            lo_max = lim[2]
+            hi_min = lim[3]
+            for blk in range(T.ceildiv(kmax - kmin, KB)):
+                t0 = kmin + blk * KB
+                if t0 >= lo_max and t0 + KB <= hi_min:
+                    block(qt, ot, s, st, rng, k_flat, v_flat, t0, kmax, hk, sm_scale, False)
                 else:
-                    block(qt, ot, s, st, rng, k_flat, v_flat, lim[0] + blk * KB, lim[1], hk,
-                          sm_scale, True)
+                    block(qt, ot, s, st, rng, k_flat, v_flat, t0, kmax, hk, sm_scale, True)
             for lane in range(QT):
                 if tile * QT + lane < qo_len * G:
                     row = (tile * QT + lane) // G

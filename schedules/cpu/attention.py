@@ -532,6 +532,8 @@ def prefill_ragged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim
     The query's own token is always among these keys, so the sink (if any) is added here.
     `vector=False`: no CPU vector expressions (a GPU build, see `for_gpu`).
     """
+    if vector:  # CPU: the query-tile GEMM form
+        return _tiled_ragged_attention_func(num_kv_heads, num_qo_heads, head_dim, dtype, table)
     H_kv, H_qo, D = num_kv_heads, num_qo_heads, head_dim
     G = H_qo // H_kv
     L = _lanes(D)
@@ -600,6 +602,222 @@ def prefill_ragged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim
                     block(qbuf, o, m, den, s, part, mx, k_flat, v_flat, base, base, H_kv * D,
                           T.min(BLK, limit - first - blk * BLK), sm_scale)
                 finish(o, m, den, mx, output, lse, row, hk * G, sinks, sm_scale)
+
+    return prefill_ragged_attention
+
+
+QT = 16  # query rows per tile of the tiled ragged prefill: one float32x16 vector, a row a lane
+KB = 16  # keys per block of the tiled ragged prefill (the kernel binds P[0..15] by name)
+
+
+def _vec_exp2(x):
+    """2^x of a float32x16 vector expression (the fast exp, schedules/cpu/fast_math.py)."""
+    return fast_exp_expr(x * tirx.Broadcast(tirx.const(LN2, "float32"), QT), f"float32x{QT}")
+
+
+def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
+                                 table: LayerTable | None):
+    """The ragged prefill as query-tile GEMMs (CPU): see `prefill_ragged_attention_func`.
+
+    The (query row, query head) pairs of one KV head, flattened row-major (the G heads of a
+    GQA group side by side), are cut into tiles of QT = 16; each tile is one float32x16 vector
+    per head-dim element (lane l: the tile's l-th pair), so that over a block of KB keys
+
+        S[t] = sum_d Q^T[d] * broadcast(K[t, d])          (KB accumulators, a GEMM with the
+                                                           query rows in the vector lanes)
+        m, den, rescale: lane-wise online softmax         (no horizontal reduction at all)
+        O^T[d] = O^T[d] * rescale + sum_t P[t] * broadcast(V[t, d])
+
+    and every K/V element read is used for 16 query rows. Each lane carries its own key range
+    [lo, hi) (its sequence in the ragged batch, the causal limit, the layer's window); the
+    tile walks the union of its lanes' ranges and masks only the blocks that are not inside
+    every lane's range (the diagonal, the window's edge, a sequence boundary inside the tile).
+    Tiles run in parallel, paired from both ends of the batch (tile j with tile n-1-j in
+    consecutive items) so that a thread's share of the causal work is even."""
+    G = H_qo // H_kv
+    CHAINS = 4  # partial sums per score: FMA latency hidden within one key's expression
+    capped = table is not None and table.has_softcap
+    sinks = table is not None and table.sinks is not None
+    R = tirx.Ramp(0, 1, QT)
+    vf = f"float32x{QT}"
+
+    def bcast(x):
+        return tirx.Broadcast(x, QT)
+
+    def inside(rng, t):
+        """Lane mask of key t: lo <= t < hi."""
+        return tirx.all(bcast(t) >= rng[0, R], bcast(t) < rng[1, R])
+
+    def key_row(t0, t, kmax, hk, masked):
+        """Flat index of key t0 + t's row (clamped into the batch in a masked block)."""
+        return ((T.min(t0 + t, kmax - 1) if masked else t0 + t) * H_kv + hk) * D
+
+    def score(qt, k_flat, row):
+        """S[t] = sum_d Q^T[d] * K[t, d] as one expression (CHAINS interleaved partial sums,
+        each term a vector FMA with a broadcast key element): no accumulator in memory, so the
+        code does not depend on LLVM proving that the kernel's buffers do not alias (inside a
+        whole model's module it could not, and load-add-store chains ran 3x slower)."""
+        parts = [None] * CHAINS
+        for d in range(D):
+            term = qt[d, R] * bcast(T.Cast("float32", k_flat[row + d]))
+            j = d % CHAINS
+            parts[j] = term if parts[j] is None else parts[j] + term
+        parts = [p for p in parts if p is not None]
+        while len(parts) > 1:
+            parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i]
+                     for i in range(0, len(parts), 2)]
+        return parts[0]
+
+    def weighted_values(ot, p, rescale, v_flat, rows, d):
+        """O^T[d] * rescale + sum_t P[t] * V[t, d], as one expression (two partial sums)."""
+        parts = [ot[d, R] * rescale, None]
+        for t in range(KB):
+            term = p[t] * bcast(T.Cast("float32", v_flat[rows[t] + d]))
+            parts[t % 2] = term if parts[t % 2] is None else parts[t % 2] + term
+        return parts[0] + parts[1]
+
+    @T.macro
+    def block(qt, ot, s, st, rng, k_flat, v_flat, t0, kmax, hk, sm_scale, masked):
+        for t in T.unroll(KB):
+            s[t, R] = score(qt, k_flat, key_row(t0, t, kmax, hk, masked))
+        if capped:
+            for t in T.unroll(KB):
+                s[t, R] = T.Select(bcast(_cap2(table, sm_scale) > T.float32(0)),
+                                   bcast(_cap2(table, sm_scale)) * T.tanh(
+                                       s[t, R] / bcast(T.max(_cap2(table, sm_scale),
+                                                             T.float32(1e-30)))),
+                                   s[t, R])
+        st[3, R] = st[0, R]  # the new running maximum
+        for t in T.unroll(KB):
+            if masked:
+                st[3, R] = T.max(st[3, R], T.Select(inside(rng, t0 + t), s[t, R],
+                                                    bcast(T.float32(-5e4))))
+            else:
+                st[3, R] = T.max(st[3, R], s[t, R])
+        st[2, R] = _vec_exp2(st[0, R] - st[3, R])  # rescale of what was summed so far
+        st[0, R] = st[3, R]
+        st[1, R] = st[1, R] * st[2, R]
+        for t in T.unroll(KB):
+            if masked:
+                s[t, R] = T.Select(inside(rng, t0 + t), _vec_exp2(s[t, R] - st[3, R]),
+                                   bcast(T.float32(0)))
+            else:
+                s[t, R] = _vec_exp2(s[t, R] - st[3, R])
+            st[1, R] = st[1, R] + s[t, R]
+        # P and the rescale bound to values (registers over the loop over d, not 16 reloads
+        # per row: the stores to O^T might alias `s` as far as LLVM knows)
+        p0, p1, p2, p3, p4, p5, p6, p7 = s[0, R], s[1, R], s[2, R], s[3, R], s[4, R], s[5, R], s[6, R], s[7, R]
+        p8, p9, p10, p11, p12, p13, p14, p15 = s[8, R], s[9, R], s[10, R], s[11, R], s[12, R], s[13, R], s[14, R], s[15, R]
+        rescale = st[2, R]
+        for d in range(D):
+            ot[d, R] = weighted_values(
+                ot, (p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15),
+                rescale, v_flat, [key_row(t0, t, kmax, hk, masked) for t in range(KB)], d)
+
+    @T.prim_func(check_well_formed=False)
+    def prefill_ragged_attention(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle,
+                                 var_v: T.handle, var_kv_indptr: T.handle,
+                                 var_q_rope_position: T.handle, var_k_rope_pos_offset: T.handle,
+                                 var_output: T.handle, var_lse: T.handle, causal: T.int32,
+                                 rotary_mode: T.int32, rope_scale: T.float32,
+                                 rope_theta: T.float32, sm_scale: T.float32):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True,
+                     "global_symbol": "batch_prefill_ragged_kv"})  # replaces TVM's
+        batch_size = T.int32()
+        qo_len = T.int32()
+        kv_len = T.int32()
+        q_indptr_elem_offset = T.int32()
+        kv_indptr_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q = T.match_buffer(var_q, (qo_len, H_qo, D), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32",
+                                  elem_offset=q_indptr_elem_offset)
+        k = T.match_buffer(var_k, (kv_len, H_kv, D), dtype)
+        v = T.match_buffer(var_v, (kv_len, H_kv, D), dtype)
+        kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32",
+                                   elem_offset=kv_indptr_elem_offset)
+        q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32",
+                                         elem_offset=q_rope_position_elem_offset)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
+                                           elem_offset=k_rope_pos_offset_elem_offset)
+        output = T.match_buffer(var_output, (qo_len, H_qo, D), dtype)
+        lse = T.match_buffer(var_lse, (qo_len, H_qo), "float32")
+        k_flat = T.decl_buffer((kv_len * H_kv * D,), dtype, data=k.data)
+        v_flat = T.decl_buffer((kv_len * H_kv * D,), dtype, data=v.data)
+
+        for item in T.parallel(T.ceildiv(qo_len * G, QT) * H_kv):
+            qt = T.alloc_buffer((D, QT), "float32", scope="local")  # Q^T, pre-scaled
+            ot = T.alloc_buffer((D, QT), "float32", scope="local")  # O^T, unnormalized
+            s = T.alloc_buffer((KB, QT), "float32", scope="local")  # scores, then P
+            st = T.alloc_buffer((4, QT), "float32", scope="local")  # max, den, rescale, new max
+            rng = T.alloc_buffer((2, QT), "int32", scope="local")  # each lane's keys [lo, hi)
+            lim = T.alloc_buffer((4,), "int32", scope="local")  # min lo, max hi, max lo, min hi
+            seq = T.alloc_buffer((1,), "int32", scope="local")
+            n_tiles = T.ceildiv(qo_len * G, QT)
+            pair = item // H_kv
+            hk = item % H_kv
+            tile = T.Select(pair % 2 == 0, pair // 2, n_tiles - 1 - pair // 2)
+            lim[0] = kv_len
+            lim[1] = 0
+            lim[2] = 0
+            lim[3] = kv_len
+            for lane in range(QT):
+                if tile * QT + lane < qo_len * G:
+                    row = (tile * QT + lane) // G
+                    head = hk * G + (tile * QT + lane) % G
+                    sequence_of_row(seq, q_indptr, batch_size, row)
+                    n_kv = kv_indptr[seq[0] + 1] - kv_indptr[seq[0]]
+                    n_q = q_indptr[seq[0] + 1] - q_indptr[seq[0]]
+                    limit = T.Select(causal > 0,
+                                     T.min(n_kv, n_kv - n_q + row - q_indptr[seq[0]] + 1), n_kv)
+                    first = T.min(_window_start(_window(table, sm_scale), q_rope_position[row],
+                                                k_rope_pos_offset[seq[0]]), limit)
+                    rng[0, lane] = kv_indptr[seq[0]] + first
+                    rng[1, lane] = kv_indptr[seq[0]] + limit
+                    lim[0] = T.min(lim[0], kv_indptr[seq[0]] + first)
+                    lim[1] = T.max(lim[1], kv_indptr[seq[0]] + limit)
+                    lim[2] = T.max(lim[2], kv_indptr[seq[0]] + first)
+                    lim[3] = T.min(lim[3], kv_indptr[seq[0]] + limit)
+                    for d in range(D):
+                        qt[d, lane] = T.Cast("float32", q[row, head, d]) * _scale2(table, sm_scale)
+                else:  # past the batch's last row: no keys, never written
+                    rng[0, lane] = 0
+                    rng[1, lane] = 0
+                    for d in range(D):
+                        qt[d, lane] = T.float32(0)
+            for d in range(D):
+                ot[d, R] = bcast(T.float32(0))
+            st[0, R] = bcast(T.float32(-5e4))
+            st[1, R] = bcast(T.float32(0))
+            kmin = lim[0]  # bound once: scalars, not reloads of `lim` in the block
+            kmax = lim[1]
+            lo_max = lim[2]
+            hi_min = lim[3]
+            for blk in range(T.ceildiv(kmax - kmin, KB)):
+                t0 = kmin + blk * KB
+                if t0 >= lo_max and t0 + KB <= hi_min:
+                    block(qt, ot, s, st, rng, k_flat, v_flat, t0, kmax, hk, sm_scale, False)
+                else:
+                    block(qt, ot, s, st, rng, k_flat, v_flat, t0, kmax, hk, sm_scale, True)
+            for lane in range(QT):
+                if tile * QT + lane < qo_len * G:
+                    row = (tile * QT + lane) // G
+                    head = hk * G + (tile * QT + lane) % G
+                    if sinks:  # the query's own token is among these keys: add the sink here
+                        st[3, lane] = T.max(st[0, lane], _sink2(table, sm_scale, head, H_qo))
+                        st[1, lane] = st[1, lane] * T.exp2(st[0, lane] - st[3, lane]) + T.exp2(
+                            _sink2(table, sm_scale, head, H_qo) - st[3, lane])
+                        st[2, lane] = T.exp2(st[0, lane] - st[3, lane])
+                        st[0, lane] = st[3, lane]
+                    else:
+                        st[2, lane] = T.float32(1)
+                    inv = T.Select(st[1, lane] > T.float32(0),
+                                   st[2, lane] / st[1, lane], T.float32(0))
+                    for d in range(D):
+                        output[row, head, d] = T.Cast(dtype, ot[d, lane] * inv)
+                    lse[row, head] = T.Select(st[1, lane] > T.float32(0),
+                                              st[0, lane] + T.log2(st[1, lane]), st[0, lane])
 
     return prefill_ragged_attention
 

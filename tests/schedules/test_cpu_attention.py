@@ -2,7 +2,15 @@
 numpy softmax attention, at head dims that take the dot product's lane folding through its
 several widths (64: four 16-lane slices; 24: three 8-lane slices) and lengths that end in a
 partial page or block (the exponentials' scalar path) as well as exact multiples of it (the
-vector path), with GQA (two query heads per KV head)."""
+vector path), with GQA (two query heads per KV head).
+
+The ragged prefill is a query-tile GEMM (16 (row, head) pairs a tile, 16-key blocks): its cases
+put tiles across sequence boundaries, partial tiles and blocks, blocks inside every lane's
+causal range and diagonal ones, GQA groups that do not divide the tile (3 heads a KV head), and
+rows whose keys begin before the queries (a chunk continuing cached tokens). Tolerances: fp32
+within 2e-6 absolute and 1e-5 relative of a float64 numpy attention (the kernel's exp is
+accurate to ~1e-7 relative; outputs are O(1)); bfloat16 within one bfloat16 rounding of the
+output (2^-8 relative) plus the float32 error, against numpy on the same bf16-rounded inputs."""
 from __future__ import annotations
 
 import numpy as np
@@ -18,10 +26,11 @@ def _t(a):
 
 
 def _attend(q, k, v):
-    """q (H_QO, D) of the sequence's last position over keys k, v (n, H_KV, D)."""
-    g = H_QO // H_KV
+    """q (H_QO, D) of the sequence's last position over keys k, v (n, H_KV, D), in float64."""
+    q, k, v = (np.asarray(a, "float64") for a in (q, k, v))
+    g = q.shape[0] // k.shape[1]
     out = np.empty_like(q)
-    for h in range(H_QO):
+    for h in range(q.shape[0]):
         s = k[:, h // g] @ q[h] * SCALE
         p = np.exp(s - s.max())
         out[h] = p @ v[:, h // g] / p.sum()
@@ -88,7 +97,7 @@ def test_ragged_prefill_matches_numpy(kernels):
                     out_t, lse_t, 1, 0, 1.0, 1e4, SCALE)
     want = np.stack([_attend(q[r], k[ind[b]:r + 1], v[ind[b]:r + 1])
                      for b in range(2) for r in range(ind[b], ind[b + 1])])
-    np.testing.assert_allclose(out_t.numpy(), want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(out_t.numpy(), want, rtol=1e-5, atol=2e-6)
 
 
 def test_decode_with_many_kv_heads_matches_numpy():
@@ -121,3 +130,53 @@ def test_decode_with_many_kv_heads_matches_numpy():
          _t(np.array([(n - 1) % PAGE + 1], "int32")), _t(np.zeros(1, "int32")),
          _t(np.array([n - 1], "int32")), out_t, lse_t, 0, 1.0, 1e4, SCALE)
     np.testing.assert_allclose(out_t.numpy()[0], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiled():
+    """Ragged prefill kernels at a GQA group of 3 (fp32) and in bfloat16 (groups of 2)."""
+    import tvm
+
+    from schedules.cpu.attention import prefill_ragged_attention_func
+    from tvm_llm.targets.llvm import LLVMTarget
+
+    target = LLVMTarget().tvm_target()
+    return {key: tvm.compile(tvm.IRModule({"main": prefill_ragged_attention_func(*key)}),
+                             target=target)["main"]
+            for key in [(1, 3, 32, "float32"), (2, 4, 64, "bfloat16")]}
+
+
+def _ragged_case(func, h_kv, h_qo, d, dtype, n_q, n_kv, seed):
+    """Sequences with n_q[b] new queries over n_kv[b] keys (the last n_q[b] keys are the
+    queries' own tokens: a chunk after n_kv - n_q cached ones), causal; -> (got, want)."""
+    rng = np.random.default_rng(seed)
+    cast = (lambda a: a.astype("float32")) if dtype == "float32" else (
+        lambda a: a.astype(__import__("ml_dtypes").bfloat16))
+    q = cast(rng.standard_normal((sum(n_q), h_qo, d)))
+    k, v = (cast(rng.standard_normal((sum(n_kv), h_kv, d))) for _ in range(2))
+    q_ind = np.concatenate([[0], np.cumsum(n_q)]).astype("int32")
+    kv_ind = np.concatenate([[0], np.cumsum(n_kv)]).astype("int32")
+    pos = np.concatenate([np.arange(c - n, c) for n, c in zip(n_q, n_kv)]).astype("int32")
+    out_t = _t(cast(np.zeros((sum(n_q), h_qo, d))))
+    lse_t = _t(np.zeros((sum(n_q), h_qo), "float32"))
+    func(_t(q), _t(q_ind), _t(k), _t(v), _t(kv_ind), _t(pos), _t(np.zeros(len(n_q), "int32")),
+         out_t, lse_t, 1, 0, 1.0, 1e4, SCALE)
+    f32 = (lambda a: np.asarray(a, "float32"))
+    want = np.stack([_attend(f32(q[q_ind[b] + i]), f32(k[kv_ind[b]:kv_ind[b] + c - n + i + 1]),
+                             f32(v[kv_ind[b]:kv_ind[b] + c - n + i + 1]))
+                     for b, (n, c) in enumerate(zip(n_q, n_kv)) for i in range(n)])
+    return f32(out_t.numpy()), want
+
+
+@pytest.mark.parametrize("n_q,n_kv", [((37, 5, 70), (37, 5, 70)),  # prompts from scratch
+                                      ((19, 1, 40), (49, 17, 40))])  # chunks after cached keys
+def test_ragged_prefill_tile_edges_gqa3(tiled, n_q, n_kv):
+    """Groups of 3 heads: tiles of 16 (row, head) pairs start mid-row and mid-sequence."""
+    got, want = _ragged_case(tiled[(1, 3, 32, "float32")], 1, 3, 32, "float32", n_q, n_kv, 11)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_ragged_prefill_bfloat16(tiled):
+    got, want = _ragged_case(tiled[(2, 4, 64, "bfloat16")], 2, 4, 64, "bfloat16", (23, 41),
+                             (30, 41), 12)
+    np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=2e-3)

@@ -153,8 +153,35 @@ def pack_vnni(fmt: WeightFormat, st: dict) -> list:
     def per_tile(a):  # (N, G) -> (N/16, G, 16)
         return np.ascontiguousarray(a.reshape(NT, TILE_N, a.shape[1]).transpose(0, 2, 1))
 
-    keys = {"sym": ["d"], "asym": ["d", "m"], "kquant": ["sc", "mn", "d", "dmin"]}[fmt.kind]
+    if fmt.kind == "kquant":
+        lo, hi = pack_kquant_codes(st["sc"], st["mn"])
+        return out + [per_tile(lo), per_tile(hi), per_tile(st["d"]), per_tile(st["dmin"])]
+    keys = {"sym": ["d"], "asym": ["d", "m"]}[fmt.kind]
     return out + [per_tile(st[k]) for k in keys]
+
+
+def pack_kquant_codes(sc: np.ndarray, mn: np.ndarray) -> tuple:
+    """q4_k's 6-bit group scales and minimums (N, NG) at 12 bits per group (module docstring):
+    lo (N, NG) uint8 = sc & 15 | (mn & 15) << 4 and hi (N, ceil(NG / 2)) uint8, whose byte p
+    holds the top 2 + 2 bits of groups 2p (bits 0-3: sc >> 4, then mn >> 4) and 2p + 1 (bits
+    4-7). An odd NG leaves the last byte's high half zero."""
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    if sc.max(initial=0) > 63 or mn.max(initial=0) > 63:
+        raise ValueError("q4_k group codes must be 6-bit (0..63)")
+    N, NG = sc.shape
+    lo = (sc & 15) | ((mn & 15) << 4)
+    top = (sc >> 4) | ((mn >> 4) << 2)  # 4 bits per group
+    if NG % 2:
+        top = np.concatenate([top, np.zeros((N, 1), np.uint8)], axis=1)
+    hi = top[:, 0::2] | (top[:, 1::2] << 4)
+    return np.ascontiguousarray(lo.astype(np.uint8)), np.ascontiguousarray(hi.astype(np.uint8))
+
+
+def unpack_kquant_codes(lo: np.ndarray, hi: np.ndarray, NG: int) -> tuple:
+    """(sc, mn) (..., NG) uint8 from pack_kquant_codes' (lo, hi) along their last axis: the
+    numpy statement of what the int8-activation kernel unpacks per group and tile."""
+    top = (hi[..., np.arange(NG) // 2] >> ((np.arange(NG) % 2) * 4).astype(np.uint8)) & 15
+    return (lo & 15) | ((top & 3) << 4), (lo >> 4) | ((top >> 2) << 4)
 
 
 def vnni_applies(N: int, K: int) -> bool:
@@ -173,7 +200,8 @@ def packed_shapes(fmt: WeightFormat, N: int, K: int, layout: str) -> list:
         out = [([NT, NG, 4 if fmt.bits == 4 else 8, 64], "uint8")]
         if fmt.kind == "kquant":
             NS = NG // super_groups(K)
-            return out + [([NT, NG, TILE_N], "uint8")] * 2 + [([NT, NS, TILE_N], "float16")] * 2
+            return out + [([NT, NG, TILE_N], "uint8"), ([NT, (NG + 1) // 2, TILE_N], "uint8")] \
+                + [([NT, NS, TILE_N], "float16")] * 2
         return out + [([NT, NG, TILE_N], "float16")] * (1 if fmt.kind == "sym" else 2)
     first = ([N, K], "int8") if fmt.bits == 8 else ([N, NG, 16], "uint8")
     return [first] + [([N, NG], "float32")] * (1 if fmt.kind == "sym" else 2)

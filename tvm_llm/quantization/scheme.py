@@ -188,6 +188,25 @@ def vnni_applies(N: int, K: int) -> bool:
     return N % TILE_N == 0 and K % GROUP == 0
 
 
+def layout_for(activations: str, N: int, K: int) -> str:
+    """The kernel layout a build stores an (N, K) weight in (the QuantizeLinear pass's choice)."""
+    return "vnni" if activations == "int8" and vnni_applies(N, K) else "rows"
+
+
+DTYPE_BITS = {"int8": 8, "uint8": 8, "float16": 16, "float32": 32}
+
+
+def stored_bits(fmt: str, N: int, K: int, layout: str) -> float:
+    """Bits per weight an (N, K) weight takes as stored: every tensor `pack` makes for `fmt` in
+    `layout` counted ("float": 32). This, not the format's nominal figure, is what the build
+    report and the automatic mix count: e.g. q4_k is 4.5 in "vnni" (K a multiple of 256) but
+    6.0 in "rows" (float32 group scales and offsets)."""
+    if fmt == "float":
+        return 32.0
+    shapes = packed_shapes(get_format(fmt), N, K, layout)
+    return sum(int(np.prod(s)) * DTYPE_BITS[d] for s, d in shapes) / (N * K)
+
+
 def pack(fmt: WeightFormat, st: dict, layout: str) -> list:
     return pack_vnni(fmt, st) if layout == "vnni" else pack_rows(fmt, st)
 

@@ -17,7 +17,10 @@ Kernel layouts (`pack`), packed from the canonical stored arrays of formats.Weig
             q4_0 two's complement, q4_1/q4_k unsigned); float32 group scale (N, K/32) and, for
             q4_1/q4_k, float32 group offset (w = q * scale + offset). The group scale and offset
             of q4_k are its d * sc and -dmin * mn, exact in float32.
-    "vnni"  int8 activations: see schedules/cpu/int8_act_matmul.py.
+    "vnni"  int8 activations: see schedules/cpu/int8_act_matmul.py. Group scales and offsets
+            stay float16 (q4_k: its 6-bit sc and mn packed at 12 bits per group, pack_kquant_codes,
+            and float16 d, dmin per super-block), so this layout stores the formats' nominal bits
+            (q4_k 4.5 for K a multiple of 256); "rows" stores q4_k at 6.0 (stored_bits).
 """
 from __future__ import annotations
 

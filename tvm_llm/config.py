@@ -67,6 +67,7 @@ class BuildConfig:
         names = {f.name for f in fields(cls)} - _RESOLVED
         options = {n: getattr(args, n) for n in names if hasattr(args, n)}
         options.update(overrides)
+        defaulted = []
         if hasattr(args, "calibrate") and options.get("calibrate") != "none" \
                 and options.get("calibration") is None and options.get("bits_per_weight") is None:
             from .quantization.calibration import CLI_DEFAULTS
@@ -74,7 +75,15 @@ class BuildConfig:
             for key, value in CLI_DEFAULTS.get(options.get("quantization"), {}).items():
                 if options.get(key) is None:
                     options[key] = value
-        return cls.create(**options)
+                    defaulted.append(key)
+        config = cls.create(**options)
+        if "bits_per_weight" in defaulted and config.scheme is not None:
+            from .quantization.calibration import layout_budget
+
+            budget = layout_budget(config.bits_per_weight, config.scheme.format, config.scheme.activations)
+            if budget != config.bits_per_weight:  # weight-only: its layout's stored bits
+                config = config.with_options(bits_per_weight=budget)
+        return config
 
     def with_options(self, **options) -> "BuildConfig":
         """This configuration with some options changed, checked again (a new target without

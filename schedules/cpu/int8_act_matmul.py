@@ -17,7 +17,10 @@ reference's stored arrays), per 16 output rows (a tile) and group g of 32 inputs
            (q4_0 stores q + 8, q4_1 / q4_k their q in [0, 15])
     8-bit  wp[N/16, K/32, 8, 64] uint8: tile t byte i*4+k, q + 128 (q8_0)
     q8_0, q4_0: d[N/16, K/32, 16] float16; q4_1: d, m[N/16, K/32, 16] float16;
-    q4_k: sc, mn[N/16, K/32, 16] uint8 (6-bit codes in bytes), d, dmin[N/16, K/S/32, 16] float16
+    q4_k: lo[N/16, K/32, 16] uint8 = sc & 15 | (mn & 15) << 4 per group, hi[N/16, ceil(K/64), 16]
+          uint8 = the top 2 + 2 bits (sc >> 4 | (mn >> 4) << 2) of group 2p in bits 0-3 and of
+          group 2p + 1 in bits 4-7 (6-bit sc and mn at 12 bits per group: 4.5 bits per weight
+          with S = 8; scheme.pack_kquant_codes), d, dmin[N/16, K/S/32, 16] float16
 
 Per tile and group, 8 vpdpbusd (16 rows x 4 inputs each, unsigned weight x signed activation)
 give the int32 dot products of the 16 rows with row r of x, one dependency chain per row of x.
@@ -123,6 +126,22 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
             for c in T.unroll(C):
                 tiles[c] = wp[nt, g, c, T.Ramp(0, 1, 64)]
 
+    def kquant_code(p0, p1, nt, g, which):
+        """q4_k's 6-bit sc (which = 0) or mn (1) of the tile's 16 rows for group g, as
+        float32x16, from the 12-bit packing above: widened to int32 lanes, then 3-4 shifts and
+        masks (the shared hi byte's load is common to groups 2p and 2p + 1)."""
+        def i32(v):
+            return T.Broadcast(T.int32(v), TILE_N)
+
+        lo = T.Cast("int32x16", p0[nt, g, T.Ramp(0, 1, TILE_N)])
+        top = T.shift_right(T.Cast("int32x16", p1[nt, g // 2, T.Ramp(0, 1, TILE_N)]),
+                            T.Broadcast(T.Cast("int32", (g % 2) * 4), TILE_N))
+        if which == 0:
+            code = T.bitwise_or(T.bitwise_and(lo, i32(15)), T.shift_left(T.bitwise_and(top, i32(3)), i32(4)))
+        else:
+            code = T.bitwise_or(T.shift_right(lo, i32(4)), T.shift_left(T.bitwise_and(top, i32(12)), i32(2)))
+        return T.Cast("float32x16", code)
+
     @T.macro
     def coefficients(ab, p0, p1, p2, p3, nt, g):
         """ab[0] = a, ab[1] = b of the tile's 16 rows for group g (see the module docstring)."""
@@ -132,10 +151,9 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
             ab[0] = T.Cast("float32x16", p0[nt, g, T.Ramp(0, 1, TILE_N)])
             ab[1] = T.Cast("float32x16", p1[nt, g, T.Ramp(0, 1, TILE_N)])
         else:
-            ab[0] = T.Cast("float32x16", p2[nt, g // S, T.Ramp(0, 1, TILE_N)]) \
-                * T.Cast("float32x16", p0[nt, g, T.Ramp(0, 1, TILE_N)])
+            ab[0] = T.Cast("float32x16", p2[nt, g // S, T.Ramp(0, 1, TILE_N)]) * kquant_code(p0, p1, nt, g, 0)
             ab[1] = T.Cast("float32x16", p3[nt, g // S, T.Ramp(0, 1, TILE_N)]) \
-                * T.Cast("float32x16", p1[nt, g, T.Ramp(0, 1, TILE_N)]) * T.Broadcast(T.float32(-1), TILE_N)
+                * kquant_code(p0, p1, nt, g, 1) * T.Broadcast(T.float32(-1), TILE_N)
 
     def dot_chain(init, tiles, xq, r, g):
         """The group's int32 dot products of row r of x with the 16 rows: one expression (a
@@ -172,10 +190,8 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
             init = T.Broadcast(xo[0, g], TILE_N) if kind == "sym" else T.Broadcast(T.int32(0), TILE_N)
             acc = T.Cast("float32x16", dot_chain(init, tiles, xq, 0, g))
             if kind == "kquant":
-                main = main + acc * (T.Cast("float32x16", p0[nt, g, T.Ramp(0, 1, TILE_N)])
-                                     * T.Broadcast(xs[0, g], TILE_N))
-                mins = mins + T.Cast("float32x16", p1[nt, g, T.Ramp(0, 1, TILE_N)]) \
-                    * T.Broadcast(xo[0, g], TILE_N)
+                main = main + acc * (kquant_code(p0, p1, nt, g, 0) * T.Broadcast(xs[0, g], TILE_N))
+                mins = mins + kquant_code(p0, p1, nt, g, 1) * T.Broadcast(xo[0, g], TILE_N)
             else:
                 main = main + acc * (T.Cast("float32x16", p0[nt, g, T.Ramp(0, 1, TILE_N)])
                                      * T.Broadcast(xs[0, g], TILE_N))
@@ -311,8 +327,8 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
     else:
         @T.prim_func(private=True, check_well_formed=False)
         def func(var_x: T.handle, wp: T.Buffer((NT, NG, C, 64), "uint8"),
-                 sc: T.Buffer((NT, NG, TILE_N), "uint8"), mn: T.Buffer((NT, NG, TILE_N), "uint8"),
+                 lo: T.Buffer((NT, NG, TILE_N), "uint8"), hi: T.Buffer((NT, (NG + 1) // 2, TILE_N), "uint8"),
                  d: T.Buffer((NT, NS, TILE_N), f16), dmin: T.Buffer((NT, NS, TILE_N), f16),
                  var_y: T.handle):
-            entry(var_x, var_y, wp, sc, mn, d, dmin)
+            entry(var_x, var_y, wp, lo, hi, d, dmin)
     return func

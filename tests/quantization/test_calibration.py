@@ -55,15 +55,16 @@ def test_calibration_is_deterministic(checkpoint):
     results = []
     for _ in range(2):
         model = _model(checkpoint)
+        # weight-only: q4_k stores 6.0 bits, q8_0 9.0 (the budget counts stored bits)
         plan, report = C.calibrate_for_build(model, checkpoint("llama"), QuantPlan("q4_k"),
-                                             bits_per_weight=5.0, windows=WINDOWS,
+                                             bits_per_weight=6.5, windows=WINDOWS,
                                              log=lambda *a: None)
         results.append((model.state_dict(), plan, report))
     (sd0, plan0, rep0), (sd1, plan1, rep1) = results
     assert all(torch.equal(sd0[k], sd1[k]) for k in sd0)
     assert plan0.formats == plan1.formats and set(plan0.importance) == set(plan1.importance)
     assert all(np.array_equal(plan0.importance[k], plan1.importance[k]) for k in plan0.importance)
-    assert rep0["awq"] == rep1["awq"] and rep0["bits_per_weight"]["body"] <= 5.0
+    assert rep0["awq"] == rep1["awq"] and 6.0 < rep0["bits_per_weight"]["body"] <= 6.5
     assert any(f == "q8_0" for f in plan0.formats.values())  # the budget bought some 8-bit
 
 

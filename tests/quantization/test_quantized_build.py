@@ -131,6 +131,13 @@ def test_stored_weights_and_report(qbuild, built):
     # offsets and the embedding's q8_0 scales, one per 32 weights of K (64 or 128 here)
     float_2d = [p for p in params if p["dtype"] == "float32" and len(p["shape"]) == 2]
     assert len(float_2d) == 19 and all(p["shape"][1] in (2, 4) for p in float_2d), float_2d
+    # the report's bits per weight are the bytes stored: q4_k "rows" keeps a float32 scale and
+    # offset per 32 weights (6 bits), the q8_0 table a float32 scale (9 bits)
+    stored = sum(p["nbytes"] for p in params if p["dtype"] in ("uint8", "int8")) \
+        + sum(p["nbytes"] for p in float_2d)
+    weights = sum(v["shape"][0] * v["shape"][1] for v in q["quantized"].values())
+    assert q["bits_per_weight"] == pytest.approx(8 * stored / weights, abs=1e-4)
+    assert 6.0 < q["bits_per_weight"] < 9.0
     size = {k: os.path.getsize(os.path.join(o, "weights.bin"))
             for k, o in [("fp32", built("llama")), ("q4", out)]}
     assert size["q4"] < size["fp32"]

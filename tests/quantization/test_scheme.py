@@ -13,7 +13,8 @@ from tvm_llm.errors import UserError
 from tvm_llm.passes.quantize_linear import emit_quantized_matmul
 from tvm_llm.quantization import kernels
 from tvm_llm.quantization.formats import FORMATS, fake_quantize_activation
-from tvm_llm.quantization.scheme import pack_vnni, parse_scheme, stored_np
+from tvm_llm.quantization.scheme import (pack_vnni, packed_shapes, parse_scheme, stored_bits, stored_np,
+                                         unpack_kquant_codes)
 from tvm_llm.targets import get_target
 
 
@@ -61,7 +62,7 @@ CASES = [(f, "rows") for f in sorted(FORMATS)] + [(f, "vnni") for f in sorted(FO
 def test_scheduled_quantized_matmul_matches_reference(fmt, layout):
     if layout == "vnni" and not _has_vnni():
         pytest.skip("the int8-activation kernel needs AVX-512 VNNI on the host")
-    K, N = 576, 48  # K = 576: q4_k super-blocks of 6 groups
+    K, N = 480, 48  # K = 480: 15 groups, q4_k super-blocks of 5 (an odd count of groups)
     rng = np.random.default_rng(2)
     w = _weights(N, K)
     f = FORMATS[fmt]
@@ -115,6 +116,20 @@ def test_vnni_layout_holds_unsigned_values_in_tiles():
     st8 = f8.quantize(w)
     wp8 = pack_vnni(f8, st8)[0]
     assert wp8.shape == (3, 6, 8, 64) and wp8[1, 1, 3, 1 * 4 + 2] == int(st8["q"][17, 32 + 14]) + 128
+    # q4_k: 6-bit sc and mn at 12 bits per group (an odd group count: the last hi byte half used)
+    fk = FORMATS["q4_k"]
+    for K in (96, 256, 576):
+        stk = fk.quantize(_weights(48, K))
+        arrays = pack_vnni(fk, stk)
+        lo, hi = arrays[1], arrays[2]
+        assert [(list(a.shape), str(a.dtype)) for a in arrays] == packed_shapes(fk, 48, K, "vnni")
+        # (tiles, groups, 16 rows) -> (rows, groups)
+        sc, mn = unpack_kquant_codes(lo.transpose(0, 2, 1), hi.transpose(0, 2, 1), K // 32)
+        assert np.array_equal(sc.reshape(48, -1), stk["sc"]) and np.array_equal(mn.reshape(48, -1), stk["mn"])
+        assert stk["sc"].max() > 15 and stk["mn"].max() > 15  # the top bits are exercised
+    assert stored_bits("q4_k", 48, 256, "vnni") == 4.5 and stored_bits("q4_k", 48, 256, "rows") == 6.0
+    assert stored_bits("q4_k", 48, 96, "vnni") == 4 + (3 + 2) * 8 / 96 + 32 / 96  # S = 3, padded hi
+    assert stored_bits("q8_0", 48, 256, "vnni") == 8.5 and stored_bits("float", 48, 256, "rows") == 32
 
 
 def test_parse_scheme_names_defaults_and_refusals():

@@ -398,6 +398,18 @@ DEFAULT_METHODS = ("awq",)
 # calibrate only when asked): q4 = the calibrated mix at <= 4.6 bits per weight of the layers;
 # q8 = channel scaling (with int8 activations it took W8A8 from +0.76% to +0.23%, README)
 CLI_DEFAULTS = {"q4": {"bits_per_weight": 4.6}, "q8": {"calibrate": "awq"}}
+
+
+def layout_budget(bits_per_weight: float, default_format: str, activations: str) -> float:
+    """CLI_DEFAULTS' budget is in stored bits of the int8-activation ("vnni") layout, where q4_k
+    takes 4.5 bits. A build whose layout stores the default format at more bits (weight-only
+    "rows": float32 group scale and offset, q4_k 6.0 bits) gets the same allowance above an
+    all-default build: the budget plus the difference (else the default could not fit at all)."""
+    from .scheme import layout_for, stored_bits
+
+    extra = stored_bits(default_format, 16, 256, layout_for(activations, 16, 256)) \
+        - stored_bits(default_format, 16, 256, "vnni")
+    return round(bits_per_weight + max(extra, 0.0), 4)
 DEFAULT_WINDOWS = 4  # 256-token windows of the calibration text (1024 tokens)
 MIX_CANDIDATES = ("q8_0",)  # formats a unit may be raised to from the plan's default
 
@@ -469,13 +481,14 @@ def calibrate_for_build(model, model_dir: str, quant, text_path: str | None = No
     methods = parse_methods(methods)
     legacy = isinstance(quant, QuantScheme)
     if bits_per_weight is not None:  # checked before the (slow) calibration pass
-        from .plan import format_bits
+        from .scheme import layout_for, stored_bits
 
-        lowest = quant.bits + 0.5 if legacy else format_bits(quant.default_format)
+        layout = layout_for(quant.activations, 16, 256)
+        lowest = quant.bits + 0.5 if legacy else stored_bits(quant.default_format, 16, 256, layout)
         if not bits_per_weight >= lowest - 1e-9:
             raise UserError(f"--bits-per-weight {bits_per_weight:g} is below the cheapest mix "
-                            f"({lowest:g} bits per weight with every weight in the default "
-                            "format); raise it")
+                            f"({lowest:g} stored bits per weight with every weight in the default "
+                            f"format, {layout!r} layout); raise it")
     if not methods and bits_per_weight is None:
         return quant, None
     t0 = time.perf_counter()
@@ -507,11 +520,12 @@ def calibrate_for_build(model, model_dir: str, quant, text_path: str | None = No
     if bits_per_weight is not None:
         candidates = [quant.default_format] + [f for f in MIX_CANDIDATES if f != quant.default_format]
         units = fisher_units(model, calib, candidates, importance or None)
-        choice = mix.choose(units, candidates, bits_per_weight, count)
+        choice = mix.choose(units, candidates, bits_per_weight, count, quant.activations)
         formats.update(mix.to_formats(units, choice))
         _alias_head(model, formats)
-        report["mix"] = mix.format_mix(units, choice, quant.default_format)
-        report["bits_per_weight"] = {c: round(mix.average_bits(units, choice, c), 4) for c in mix.COUNTS}
+        report["mix"] = mix.format_mix(units, choice, quant.default_format, quant.activations)
+        report["bits_per_weight"] = {c: round(mix.average_bits(units, choice, c, quant.activations), 4)
+                                     for c in mix.COUNTS}
         report["budget"] = {"bits_per_weight": bits_per_weight, "count": count}
         log(f"[tvm-llm] {report['mix']}")
     report["seconds"] = round(time.perf_counter() - t0, 1)

@@ -63,8 +63,11 @@ class WeightFormat:
 
     # ---------------------------------------------------------------------------------------
     def bits_per_weight(self, K: int | None = None) -> float:
-        """Stored bits per weight, scales and minimums included (K: input features, for q4_k
-        whose super-block depends on it; None = a multiple of 256)."""
+        """The format's bits per weight, scales and minimums included (K: input features, for
+        q4_k whose super-block depends on it; None = a multiple of 256). The int8-activation
+        layout stores exactly this (q4_k's 6-bit codes packed at 12 bits per group; an odd group
+        count pads half a byte per row); the weight-only layout stores more (float32 group
+        parameters): what a build stores is scheme.stored_bits."""
         if self.kind == "sym":
             return self.bits + 16 / GROUP
         if self.kind == "asym":

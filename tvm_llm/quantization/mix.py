@@ -18,6 +18,9 @@ Bits per weight are counted over the weights the budget names (`count`):
             counted once, as the LM head (the build stores the head quantized; the embedding
             lookup reads one row per token and is not part of this figure);
     "body"  the decoder layers' linears only (the LM head left out).
+Each unit's bits are what the build stores for it (scheme.stored_bits: every packed tensor of
+the format in the kernel layout the build's `activations` give it), so the budget bounds the
+bytes on disk; `activations` None counts the formats' nominal bits (formats.bits_per_weight).
 """
 from __future__ import annotations
 
@@ -53,22 +56,31 @@ def counted(units: list, count: str) -> list:
     return [u for u in units if count == "all" or HEAD not in u.names]
 
 
-def average_bits(units: list, choice: dict, count: str = "all") -> float:
-    """Average stored bits per weight of `choice` (unit label -> format) over the counted units."""
-    from .plan import format_bits
+def unit_bits(u: Unit, fmt: str, activations: str | None = None) -> float:
+    """Stored bits per weight of unit u in `fmt` (module docstring)."""
+    if activations is None:
+        from .plan import format_bits
 
+        return format_bits(fmt, u.shape[1])
+    from .scheme import layout_for, stored_bits
+
+    N, K = (int(s) for s in u.shape)
+    return stored_bits(fmt, N, K, layout_for(activations, N, K))
+
+
+def average_bits(units: list, choice: dict, count: str = "all", activations: str | None = None) -> float:
+    """Average stored bits per weight of `choice` (unit label -> format) over the counted units."""
     us = counted(units, count)
     total = sum(u.size for u in us)
-    return sum(u.size * format_bits(choice[u.label], u.shape[1]) for u in us) / total if total else 0.0
+    return sum(u.size * unit_bits(u, choice[u.label], activations) for u in us) / total if total else 0.0
 
 
-def choose(units: list, candidates: list, budget: float, count: str = "all") -> dict:
+def choose(units: list, candidates: list, budget: float, count: str = "all",
+           activations: str | None = None) -> dict:
     """unit label -> format: the greedy error-per-bit upgrade path within `budget` bits per
     weight (averaged over the counted units; uncounted units get the best candidate)."""
-    from .plan import format_bits
-
     def bits(u, f):
-        return format_bits(f, u.shape[1])
+        return unit_bits(u, f, activations)
 
     us = counted(units, count)
     total = sum(u.size for u in us)
@@ -123,7 +135,7 @@ def to_formats(units: list, choice: dict) -> dict:
     return {n: choice[u.label] for u in units for n in u.names}
 
 
-def format_mix(units: list, choice: dict, default: str) -> str:
+def format_mix(units: list, choice: dict, default: str, activations: str | None = None) -> str:
     """The build report's lines: formats and their share, bits per weight counted both ways."""
     from collections import Counter
 
@@ -133,9 +145,9 @@ def format_mix(units: list, choice: dict, default: str) -> str:
     total = sum(sizes.values())
     shares = ", ".join(f"{f} {100 * s / total:.1f}%" for f, s in sizes.most_common())
     others = [u.label for u in units if choice[u.label] != default]
-    lines = [f"mix: {shares} of the quantized weights; {average_bits(units, choice, 'all'):.3f} "
-             f"bits per weight over all linears incl. the LM head (a tied embedding counted once), "
-             f"{average_bits(units, choice, 'body'):.3f} over the decoder layers only"]
+    lines = [f"mix: {shares} of the quantized weights; {average_bits(units, choice, 'all', activations):.3f} "
+             f"stored bits per weight over all linears incl. the LM head (a tied embedding counted "
+             f"once), {average_bits(units, choice, 'body', activations):.3f} over the decoder layers only"]
     if others:
         lines.append(f"  not {default}: " + ", ".join(f"{lbl} ({choice[lbl]})" for lbl in others))
     return "\n".join(lines)

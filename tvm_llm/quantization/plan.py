@@ -22,7 +22,8 @@ FLOAT_BITS = 32
 
 
 def format_bits(fmt: str, K: int | None = None) -> float:
-    """Bits per weight a weight stored in `fmt` takes ("float": 32)."""
+    """The format's nominal bits per weight ("float": 32): ranks formats; the bits a build
+    stores in a given kernel layout are scheme.stored_bits."""
     return float(FLOAT_BITS) if fmt == FLOAT else get_format(fmt).bits_per_weight(K)
 
 

@@ -4,16 +4,25 @@ from __future__ import annotations
 from .plan import FLOAT, format_bits
 
 
+def entry_layout(entry: dict) -> str:
+    """The kernel layout of a report["quantized"] entry: the pass records "int8" activations
+    only for weights it stored in the "vnni" layout (lookups and weight-only: "rows")."""
+    return "vnni" if entry.get("activations") == "int8" else "rows"
+
+
 def summarize(report: dict) -> dict:
-    """`format_counts` (format -> weights, "float" included) and `bits_per_weight` (the
-    formats' stored bits averaged over every weight the pass saw, float ones at 32 bits)."""
+    """`format_counts` (format -> weights, "float" included) and `bits_per_weight`: the bits
+    the build stores per weight (scheme.stored_bits: every packed tensor of each weight's
+    format in its layout) averaged over every weight the pass saw, float ones at 32 bits."""
+    from .scheme import stored_bits
+
     counts: dict = {}
     bits = total = 0
     for entry in report.get("quantized", {}).values():
         fmt = entry["format"]
         N, K = entry["shape"]
         counts[fmt] = counts.get(fmt, 0) + 1
-        bits += N * K * format_bits(fmt, K)
+        bits += N * K * stored_bits(fmt, N, K, entry_layout(entry))
         total += N * K
     for N, K in report.get("kept_float", {}).values():
         counts[FLOAT] = counts.get(FLOAT, 0) + 1
@@ -53,7 +62,7 @@ def stored_bytes(params: list, V: int, H: int, quantized: dict) -> tuple:
         from .formats import get_format
         from .scheme import packed_shapes
 
-        layout = "vnni" if fmt.get("activations") == "int8" else "rows"
+        layout = entry_layout(fmt)
         head = []
         for shape, dtype in packed_shapes(get_format(fmt["format"]), V, H, layout):
             hit = next((p for p in reversed(remaining)

@@ -17,7 +17,10 @@ Kernel layouts (`pack`), packed from the canonical stored arrays of formats.Weig
             q4_0 two's complement, q4_1/q4_k unsigned); float32 group scale (N, K/32) and, for
             q4_1/q4_k, float32 group offset (w = q * scale + offset). The group scale and offset
             of q4_k are its d * sc and -dmin * mn, exact in float32.
-    "vnni"  int8 activations: see schedules/cpu/int8_act_matmul.py.
+    "vnni"  int8 activations: see schedules/cpu/int8_act_matmul.py. Group scales and offsets
+            stay float16 (q4_k: its 6-bit sc and mn packed at 12 bits per group, pack_kquant_codes,
+            and float16 d, dmin per super-block), so this layout stores the formats' nominal bits
+            (q4_k 4.5 for K a multiple of 256); "rows" stores q4_k at 6.0 (stored_bits).
 """
 from __future__ import annotations
 
@@ -153,12 +156,58 @@ def pack_vnni(fmt: WeightFormat, st: dict) -> list:
     def per_tile(a):  # (N, G) -> (N/16, G, 16)
         return np.ascontiguousarray(a.reshape(NT, TILE_N, a.shape[1]).transpose(0, 2, 1))
 
-    keys = {"sym": ["d"], "asym": ["d", "m"], "kquant": ["sc", "mn", "d", "dmin"]}[fmt.kind]
+    if fmt.kind == "kquant":
+        lo, hi = pack_kquant_codes(st["sc"], st["mn"])
+        return out + [per_tile(lo), per_tile(hi), per_tile(st["d"]), per_tile(st["dmin"])]
+    keys = {"sym": ["d"], "asym": ["d", "m"]}[fmt.kind]
     return out + [per_tile(st[k]) for k in keys]
+
+
+def pack_kquant_codes(sc: np.ndarray, mn: np.ndarray) -> tuple:
+    """q4_k's 6-bit group scales and minimums (N, NG) at 12 bits per group (module docstring):
+    lo (N, NG) uint8 = sc & 15 | (mn & 15) << 4 and hi (N, ceil(NG / 2)) uint8, whose byte p
+    holds the top 2 + 2 bits of groups 2p (bits 0-3: sc >> 4, then mn >> 4) and 2p + 1 (bits
+    4-7). An odd NG leaves the last byte's high half zero."""
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    if sc.max(initial=0) > 63 or mn.max(initial=0) > 63:
+        raise ValueError("q4_k group codes must be 6-bit (0..63)")
+    N, NG = sc.shape
+    lo = (sc & 15) | ((mn & 15) << 4)
+    top = (sc >> 4) | ((mn >> 4) << 2)  # 4 bits per group
+    if NG % 2:
+        top = np.concatenate([top, np.zeros((N, 1), np.uint8)], axis=1)
+    hi = top[:, 0::2] | (top[:, 1::2] << 4)
+    return np.ascontiguousarray(lo.astype(np.uint8)), np.ascontiguousarray(hi.astype(np.uint8))
+
+
+def unpack_kquant_codes(lo: np.ndarray, hi: np.ndarray, NG: int) -> tuple:
+    """(sc, mn) (..., NG) uint8 from pack_kquant_codes' (lo, hi) along their last axis: the
+    numpy statement of what the int8-activation kernel unpacks per group and tile."""
+    top = (hi[..., np.arange(NG) // 2] >> ((np.arange(NG) % 2) * 4).astype(np.uint8)) & 15
+    return (lo & 15) | ((top & 3) << 4), (lo >> 4) | ((top >> 2) << 4)
 
 
 def vnni_applies(N: int, K: int) -> bool:
     return N % TILE_N == 0 and K % GROUP == 0
+
+
+def layout_for(activations: str, N: int, K: int) -> str:
+    """The kernel layout a build stores an (N, K) weight in (the QuantizeLinear pass's choice)."""
+    return "vnni" if activations == "int8" and vnni_applies(N, K) else "rows"
+
+
+DTYPE_BITS = {"int8": 8, "uint8": 8, "float16": 16, "float32": 32}
+
+
+def stored_bits(fmt: str, N: int, K: int, layout: str) -> float:
+    """Bits per weight an (N, K) weight takes as stored: every tensor `pack` makes for `fmt` in
+    `layout` counted ("float": 32). This, not the format's nominal figure, is what the build
+    report and the automatic mix count: e.g. q4_k is 4.5 in "vnni" (K a multiple of 256) but
+    6.0 in "rows" (float32 group scales and offsets)."""
+    if fmt == "float":
+        return 32.0
+    shapes = packed_shapes(get_format(fmt), N, K, layout)
+    return sum(int(np.prod(s)) * DTYPE_BITS[d] for s, d in shapes) / (N * K)
 
 
 def pack(fmt: WeightFormat, st: dict, layout: str) -> list:
@@ -173,7 +222,8 @@ def packed_shapes(fmt: WeightFormat, N: int, K: int, layout: str) -> list:
         out = [([NT, NG, 4 if fmt.bits == 4 else 8, 64], "uint8")]
         if fmt.kind == "kquant":
             NS = NG // super_groups(K)
-            return out + [([NT, NG, TILE_N], "uint8")] * 2 + [([NT, NS, TILE_N], "float16")] * 2
+            return out + [([NT, NG, TILE_N], "uint8"), ([NT, (NG + 1) // 2, TILE_N], "uint8")] \
+                + [([NT, NS, TILE_N], "float16")] * 2
         return out + [([NT, NG, TILE_N], "float16")] * (1 if fmt.kind == "sym" else 2)
     first = ([N, K], "int8") if fmt.bits == 8 else ([N, NG, 16], "uint8")
     return [first] + [([N, NG], "float32")] * (1 if fmt.kind == "sym" else 2)

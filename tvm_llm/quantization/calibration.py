@@ -229,9 +229,9 @@ def search_scale(st: InputStats, weights: list, quantize, quantize_input=None,
     round trip, `quantize_input(x) -> x'` the activation round trip (or None).
     `tie(s) -> s'` projects a candidate onto scalings the producer can absorb.
 
-    The two candidate families (AWQ, SmoothQuant) are scanned in threads, one torch thread
-    each (numpy and torch release the GIL); the choice is made afterwards in the candidates'
-    order, so it does not depend on the threads."""
+    The candidates are scored in threads, one torch thread each (numpy and torch release the
+    GIL); the choice is made afterwards in the candidates' order, so it does not depend on
+    the threads."""
     import torch
 
     X = st.sample.astype(np.float32)
@@ -257,23 +257,10 @@ def search_scale(st: InputStats, weights: list, quantize, quantize_input=None,
             err += float(torch.dot(d.view(-1), d.view(-1)))
         return label, s, err
 
-    def scan(family):
-        """A family's candidates in grid order until the error rises: along the exponent the
-        error falls to one minimum and rises again (on llama-110m's 48 groups this scan picks
-        what scoring the whole grid picks, in ~60% of the matmuls)."""
-        out = []
-        for candidate in family:
-            out.append(score(candidate))
-            if len(out) > 1 and out[-1][2] > out[-2][2]:
-                break
-        return out
-
-    families = [[c for c in candidates if c[0].split()[0] == f]
-                for f in dict.fromkeys(c[0].split()[0] for c in candidates)]
     with _one_torch_thread():
         ref = [matmul(X, w) for w in weights]
-        with ThreadPoolExecutor(min(len(families), host_threads())) as pool:
-            scored = [r for part in pool.map(scan, families) for r in part]
+        with ThreadPoolExecutor(min(len(candidates), host_threads())) as pool:
+            scored = list(pool.map(score, candidates))
     best = None
     base = None
     for label, s, err in scored:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -126,25 +127,33 @@ def collect(model, windows: list, sample_rows: int = SAMPLE_ROWS, gradients: boo
                 alias[name] = last["name"]
                 return
             last["x"], last["name"] = x0, name
-            x = x0.detach().reshape(-1, x0.shape[-1]).double()
-            a = acc.setdefault(name, [0.0, 0.0, torch.zeros(x.shape[-1], dtype=x.dtype), []])
-            a[0] = a[0] + x.abs().sum(0)
-            a[1] = a[1] + (x * x).sum(0)
-            a[2] = torch.maximum(a[2], x.abs().amax(0))
+            # float32 element-wise work, float64 sums (a float64 copy of every input cost
+            # as much CPU as the forward itself)
+            x = x0.detach().reshape(-1, x0.shape[-1]).float()
+            ax = x.abs()
+            a = acc.setdefault(name, [0.0, 0.0, torch.zeros(x.shape[-1], dtype=torch.float64), []])
+            a[0] = a[0] + ax.sum(0, dtype=torch.float64)
+            a[1] = a[1] + (x * x).sum(0, dtype=torch.float64)
+            a[2] = torch.maximum(a[2], ax.amax(0).double())
             pick = torch.from_numpy(np.linspace(0, len(x) - 1, min(per_window, len(x))).round()
                                     .astype(np.int64))
-            a[3].append(x[pick].float())
+            a[3].append(x[pick])
         return fn
 
     def grad_hook(name):
-        def fn(_mod, _grad_in, grad_out):
-            g = grad_out[0].detach().reshape(-1, grad_out[0].shape[-1]).double()
-            grads[name] = grads.get(name, 0.0) + (g * g).sum(0)
+        def fn(_mod, _args, out):  # the output's gradient, by a hook on the output tensor
+            if not out.requires_grad:
+                return
+
+            def on_grad(g):
+                g = g.detach().reshape(-1, g.shape[-1]).float()
+                grads[name] = grads.get(name, 0.0) + (g * g).sum(0, dtype=torch.float64)
+            out.register_hook(on_grad)
         return fn
 
     hooks = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
     if gradients:
-        hooks += [m.register_full_backward_hook(grad_hook(n)) for n, m in linears.items()]
+        hooks += [m.register_forward_hook(grad_hook(n)) for n, m in linears.items()]
     requires = [p.requires_grad for p in model.parameters()]
     for p in model.parameters():
         p.requires_grad_(False)
@@ -195,6 +204,23 @@ def _candidates(st: InputStats, weights: list, activations: str) -> list:
     return out
 
 
+@contextmanager
+def _one_torch_thread():
+    """torch's intra-op threads set to 1 for the block: the scale search runs one candidate
+    per core in Python threads, and each candidate's matmuls on one thread cost ~2.5x less
+    CPU than a multi-threaded BLAS competing with the other candidates (measured on the
+    2-core build machine: 512 x 768 x 1024 sgemm 9 ms of CPU on one thread, 24 ms on two;
+    numpy's OpenBLAS cannot be limited at run time, torch can)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def search_scale(st: InputStats, weights: list, quantize, quantize_input=None,
                  activations: str = "float", tie=None):
     """(label, s, error, error at s = 1) minimizing the output error of the linears `weights`
@@ -203,14 +229,19 @@ def search_scale(st: InputStats, weights: list, quantize, quantize_input=None,
     round trip, `quantize_input(x) -> x'` the activation round trip (or None).
     `tie(s) -> s'` projects a candidate onto scalings the producer can absorb.
 
-    The candidates are scored in threads (numpy releases the GIL in its element-wise loops,
-    which are single-threaded and most of the search's time); the choice is made afterwards
-    in the candidates' order, so it does not depend on the threads."""
+    The candidates are scored in threads, one torch thread each (numpy and torch release the
+    GIL); the choice is made afterwards in the candidates' order, so it does not depend on
+    the threads."""
+    import torch
+
     X = st.sample.astype(np.float32)
     candidates = _candidates(st, weights, activations)  # SmoothQuant's max|W| over every row
     weights = [w[np.linspace(0, len(w) - 1, SEARCH_ROWS).astype(np.int64)]
                if len(w) > SEARCH_ROWS else w for w in weights]
-    ref = [X @ w.T for w in weights]
+
+    def matmul(x, w):  # torch's single-threaded sgemm (see _one_torch_thread)
+        x, w = (torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)) for a in (x, w))
+        return x @ w.T
 
     def score(candidate):
         label, s = candidate
@@ -222,12 +253,14 @@ def search_scale(st: InputStats, weights: list, quantize, quantize_input=None,
             xs = quantize_input(xs)
         err = 0.0
         for w, r in zip(weights, ref):
-            d = (xs @ quantize(w * s).T - r).ravel().astype(np.float64)
-            err += float(np.dot(d, d))
+            d = (matmul(xs, quantize(w * s)) - r).double()
+            err += float(torch.dot(d.view(-1), d.view(-1)))
         return label, s, err
 
-    with ThreadPoolExecutor(min(len(candidates), host_threads())) as pool:
-        scored = list(pool.map(score, candidates))
+    with _one_torch_thread():
+        ref = [matmul(X, w) for w in weights]
+        with ThreadPoolExecutor(min(len(candidates), host_threads())) as pool:
+            scored = list(pool.map(score, candidates))
     best = None
     base = None
     for label, s, err in scored:

@@ -121,9 +121,12 @@ class WeightFormat:
         N, K = w.shape
         NG = K // GROUP
         x = w.reshape(N * NG, GROUP)
-        wt = np.broadcast_to(imp.reshape(1, NG, GROUP), (N, NG, GROUP)).reshape(N * NG, GROUP)
+        # uniform importance: no weights at all (multiplying by 1 is exact, so the same bytes
+        # come out; the searches below make ~25 passes over their (rows, 32) temporaries)
+        wt = None if importance_is_uniform(imp) else \
+            np.broadcast_to(imp.reshape(1, NG, GROUP), (N, NG, GROUP)).reshape(N * NG, GROUP)
         lo, hi = self.qrange
-        if self.kind == "sym" and self.bits == 8 and importance_is_uniform(imp):
+        if self.kind == "sym" and self.bits == 8 and wt is None:
             q, d = _absmax_symmetric(x, hi)
             return {"q": q.astype(np.int8).reshape(N, K),
                     "d": d.astype(np.float16).reshape(N, NG)}
@@ -164,6 +167,14 @@ def importance_is_uniform(imp: np.ndarray) -> bool:
     return bool(np.all(imp == imp[0]))
 
 
+def _wsum(wt, *factors):
+    """Per row: sum_k wt[k] * factors[0][k] * ... (wt None: uniform weights, left out). By
+    np.einsum: for rows of 32 it is ~4x faster than ndarray.sum(axis=1) (measured, numpy 2.4),
+    and it multiplies without temporaries."""
+    ops = factors if wt is None else (wt,) + factors
+    return np.einsum(",".join(["ij"] * len(ops)) + "->i", *ops)
+
+
 def _absmax_symmetric(x, hi):
     """q8_0 without importance: d = max|x| / 127 (float16), q = round(x / d). The error search
     lowers the squared error but moves the largest weights, which cost more: measured on
@@ -193,13 +204,13 @@ def _search_symmetric(x, wt, lo, hi):
     for i in steps:
         iscale = sign * (nmax + np.float32(0.1 * i)) / safe
         q = np.clip(np.round(x * iscale[:, None]), lo, hi)
-        sl2 = (wt * q * q).sum(axis=1)
-        d = np.where(sl2 > 0, (wt * x * q).sum(axis=1) / np.where(sl2 > 0, sl2, 1), 0)
+        sl2 = _wsum(wt, q, q)
+        d = np.where(sl2 > 0, _wsum(wt, x, q) / np.where(sl2 > 0, sl2, 1), 0)
         d = d.astype(np.float16).astype(np.float32)
-        err = (wt * (x - d[:, None] * q) ** 2).sum(axis=1)
+        err = _wsum(wt, (x - d[:, None] * q) ** 2)
         better = err < best_err
         best_err = np.where(better, err, best_err)
-        best_q[better] = q[better]
+        np.copyto(best_q, q, where=better[:, None])
         best_d = np.where(better, d, best_d)
     zero = mx == 0
     best_q[zero] = 0
@@ -216,20 +227,31 @@ def _search_asymmetric(x, wt, nmax, clamp_min: bool):
         xmin = np.minimum(xmin, 0)
     rng = xmax - xmin
     safe = np.where(rng > 0, rng, 1).astype(np.float32)
-    sw = wt.sum(axis=1)
-    best_err = np.full(x.shape[0], np.inf, np.float32)
-    best_q = np.zeros(x.shape, np.float32)
+    sw = np.full(x.shape[0], x.shape[1], np.float32) if wt is None else wt.sum(axis=1)
+    xc = x - xmin[:, None]  # (the same for every candidate)
+    sx = _wsum(wt, x)
+    # each candidate's error from the row sums it already has (no pass over the weights):
+    # sum wt (x - d q - m)^2 = Sxx - 2 d Sxq - 2 m Sx + d^2 Sqq + 2 d m Sq + m^2 Sw, in float64
+    sxx, sx64, sw64 = _wsum(wt, x, x).astype(np.float64), sx.astype(np.float64), sw.astype(np.float64)
+    best_err = np.full(x.shape[0], np.inf, np.float64)
+    best_iscale = np.zeros(x.shape[0], np.float32)  # the winner's rounding, redone at the end
     best_d = np.zeros(x.shape[0], np.float32)
     best_m = xmin.astype(np.float32).copy()
+    q = np.empty_like(x)
+
+    def rounding(iscale, out):
+        np.multiply(xc, iscale[:, None], out=out)
+        return np.clip(np.round(out, out=out), 0, nmax, out=out)
+
     for i in [None] + list(range(0, 21)):
         if i is None:  # the plain min/max grid
             d, m = rng / nmax, xmin
-            q = np.clip(np.round((x - m[:, None]) / safe[:, None] * nmax), 0, nmax)
+            iscale = np.float32(nmax) / safe
         else:
             iscale = (np.float32(-1 + 0.1 * i) + nmax) / safe
-            q = np.clip(np.round((x - xmin[:, None]) * iscale[:, None]), 0, nmax)
-            sl, sl2 = (wt * q).sum(axis=1), (wt * q * q).sum(axis=1)
-            sx, sxl = (wt * x).sum(axis=1), (wt * x * q).sum(axis=1)
+        rounding(iscale, q)
+        sl, sl2, sxl = _wsum(wt, q), _wsum(wt, q, q), _wsum(wt, x, q)
+        if i is not None:  # the rounding's least-squares (d, m)
             det = sw * sl2 - sl * sl
             ok = det > 0
             det = np.where(ok, det, 1)
@@ -240,12 +262,15 @@ def _search_asymmetric(x, wt, nmax, clamp_min: bool):
                 d = np.where(pos, np.where(sl2 > 0, sxl / np.where(sl2 > 0, sl2, 1), 0), d)
                 m = np.where(pos, 0, m)
             d = np.maximum(d, 0)
-        err = (wt * (x - (d[:, None] * q + m[:, None])) ** 2).sum(axis=1)
+        d64, m64 = d.astype(np.float64), m.astype(np.float64)
+        err = (sxx - 2 * d64 * sxl - 2 * m64 * sx64 + d64 * d64 * sl2 + 2 * d64 * m64 * sl
+               + m64 * m64 * sw64)
         better = err < best_err
         best_err = np.where(better, err, best_err)
-        best_q[better] = q[better]
+        best_iscale = np.where(better, iscale, best_iscale)
         best_d = np.where(better, d, best_d).astype(np.float32)
         best_m = np.where(better, m, best_m).astype(np.float32)
+    best_q = rounding(best_iscale, q)
     flat = rng == 0  # constant group: q = 0, w = m
     best_q[flat] = 0
     best_d = np.where(flat, 0, best_d)
@@ -282,7 +307,7 @@ def _kquant_second_level(x, wt, scale, minimum, K: int, nmax: int) -> dict:
             mn = np.clip(mn0 + dmn, 0, 63)
             s, m = (dg * sc)[:, None], (mg * mn)[:, None]
             q = np.clip(np.where(s > 0, np.round((x + m) / np.where(s > 0, s, 1)), 0), 0, nmax)
-            err = (wt * (x - (s * q - m)) ** 2).sum(axis=1)
+            err = _wsum(wt, (x - (s * q - m)) ** 2)
             if best is None:
                 best = [err, sc, mn, q]
                 continue
@@ -290,7 +315,7 @@ def _kquant_second_level(x, wt, scale, minimum, K: int, nmax: int) -> dict:
             best[0] = np.where(better, err, best[0])
             best[1] = np.where(better, sc, best[1])
             best[2] = np.where(better, mn, best[2])
-            best[3][better] = q[better]
+            np.copyto(best[3], q, where=better[:, None])
     _, sc, mn, q = best
     return {"q": q.astype(np.uint8).reshape(N, K), "sc": sc.astype(np.uint8).reshape(N, NG),
             "mn": mn.astype(np.uint8).reshape(N, NG), "d": d, "dmin": dmin}

@@ -186,6 +186,17 @@ def tvm_build_options(q: str) -> dict:
 CLI_RECIPES = {"q4": {"bits_per_weight": 4.6, "calibrate": "none"}}
 
 
+def cli_budget(kw: dict) -> float:
+    """The bits-per-weight budget `tvm-llm build` gives these options: 4.6 stored bits where the
+    kernels take int8 activations, more where a weight-only layout stores q4_k at 6 bits (e.g. an
+    AVX2 target without VNNI); see BuildConfig.from_args."""
+    from tvm_llm.config import BuildConfig
+    from tvm_llm.quantization.calibration import layout_budget
+
+    scheme = BuildConfig.create(**kw).scheme
+    return layout_budget(kw["bits_per_weight"], scheme.format, scheme.activations)
+
+
 def stored_decode_bytes(out: str, shape: str) -> float:
     """Bytes a decode step reads from our build's weights: every stored tensor but the
     embedding lookup table (tvm_llm.quantization.report.stored_bytes), as the build laid them out
@@ -276,13 +287,15 @@ def main(argv=None):
                 runners.append(TransformersRunner(ckpt, args.threads, FLOAT_BUILDS[q]))
                 per_system[runners[-1].name] = model_costs(args.shape, context, 2.0, 2)
     for q in builds:
-        if q == "fp32":
+        if q == "fp32" and not args.arch:
             out, name = build_model(ckpt, args.shape, args.rebuild), "tvm_llm"
         else:
-            kw = tvm_build_options(q)
+            kw = {} if q == "fp32" else tvm_build_options(q)
             tag = q + (f"-{args.arch}" if args.arch else "")
             if args.arch:
                 kw["arch"] = args.arch
+            if q in CLI_RECIPES:  # the CLI's budget for the layout this target's kernels use
+                kw["bits_per_weight"] = cli_budget(kw)
             out, name = build_model(ckpt, args.shape, args.rebuild, tag=tag, **kw), f"tvm_llm {tag}"
         runners.append(TvmRunner(out, args.threads, name=name))
         costs = model_costs(args.shape, context, 0.0, 2 if q in FLOAT_BUILDS else 4)

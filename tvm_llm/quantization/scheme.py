@@ -196,9 +196,6 @@ def layout_for(activations: str, N: int, K: int) -> str:
     return "vnni" if activations == "int8" and vnni_applies(N, K) else "rows"
 
 
-DTYPE_BITS = {"int8": 8, "uint8": 8, "float16": 16, "float32": 32}
-
-
 def stored_bits(fmt: str, N: int, K: int, layout: str) -> float:
     """Bits per weight an (N, K) weight takes as stored: every tensor `pack` makes for `fmt` in
     `layout` counted ("float": 32). This, not the format's nominal figure, is what the build
@@ -206,8 +203,10 @@ def stored_bits(fmt: str, N: int, K: int, layout: str) -> float:
     6.0 in "rows" (float32 group scales and offsets)."""
     if fmt == "float":
         return 32.0
+    from ..memory.kv_budget import dtype_bytes
+
     shapes = packed_shapes(get_format(fmt), N, K, layout)
-    return sum(int(np.prod(s)) * DTYPE_BITS[d] for s, d in shapes) / (N * K)
+    return sum(int(np.prod(s)) * 8 * dtype_bytes(d) for s, d in shapes) / (N * K)
 
 
 def pack(fmt: WeightFormat, st: dict, layout: str) -> list:

@@ -739,16 +739,14 @@ def _upload_weights(path: str, table: list, tvm, device) -> list:
 
     host = artifact.load_weights(path, table)
     mapped = getattr(host[0], "_mmap", None) if host else None
-    offsets, total = [], 0
-    for entry in table:
-        total = -(-total // WEIGHT_ALIGN) * WEIGHT_ALIGN
-        offsets.append(total)
-        total += entry["nbytes"]
-    arena = _huge_page_arena(total) if device.dlpack_device_type() == 1 and table else None
+    # the arena mirrors the file's layout (artifact.save_weights: parameter order, each weight
+    # at an artifact.ALIGN-byte offset), so every weight keeps that alignment
+    size = table[-1]["offset"] + table[-1]["nbytes"] if table else 0
+    arena = _huge_page_arena(size) if device.dlpack_device_type() == 1 and table else None
     out = []
-    for entry, w, offset in zip(table, host, offsets):
+    for entry, w in zip(table, host):
         if arena is not None:
-            region = arena[offset: offset + entry["nbytes"]]
+            region = arena[entry["offset"]: entry["offset"] + entry["nbytes"]]
             region[...] = np.ascontiguousarray(w).reshape(-1).view(np.uint8)
             out.append(tvm.runtime.from_dlpack(region)._create_view(tuple(entry["shape"]),
                                                                     entry["dtype"]))
@@ -758,9 +756,6 @@ def _upload_weights(path: str, table: list, tvm, device) -> list:
         if mapped is not None and end and hasattr(mapped, "madvise"):
             mapped.madvise(mmap.MADV_DONTNEED, 0, end)
     return out
-
-
-WEIGHT_ALIGN = 64  # bytes: the alignment TVM's own allocations give (its kernels assume it)
 
 
 def _huge_page_arena(nbytes: int):

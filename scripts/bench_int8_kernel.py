@@ -8,7 +8,9 @@ row relative to M = 1 (how well a batch amortizes the weight reads), and the err
 numpy reference. Times are the best of --repeats, wall and CPU (all threads together; on a
 shared machine the CPU time is the steadier one, and the per-row and GOP/s columns use it).
 `--cold` cycles over enough weight copies to defeat the last-level cache
-(what decode sees); by default one copy stays hot in cache, which shows the kernel's compute.
+(what decode sees); the copies sit in one huge-page arena as the engine's weights do
+(`--small-pages` puts them on ordinary 4 KiB pages, where every 4 KiB is a TLB miss and a
+prefetcher stop); by default one copy stays hot in cache, which shows the kernel's compute.
 The machine's read bandwidth at --threads (scripts/bench.py machine_limits, in a subprocess so
 torch's threads do not compete with TVM's) is measured before and after the kernels in the same
 run; the `share` column is the wall GB/s over the larger of the two. `--asm FILE` writes the
@@ -37,6 +39,8 @@ def _parse():
     p.add_argument("--cold", action="store_true", help="rotate weight copies past the LLC")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--rotate-mb", type=int, default=96)
+    p.add_argument("--small-pages", action="store_true",
+                   help="weights on ordinary 4 KiB pages (default: one huge-page arena, as the engine)")
     p.add_argument("--shape", default="llama-110m", help="a scripts/bench.py shape")
     p.add_argument("--asm", default="", help="write the kernels' assembly to this file")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the read-bandwidth reference")
@@ -81,6 +85,24 @@ def read_bandwidth(threads: int) -> float:
     code = f"import sys; sys.path.insert(0, {here!r}); import bench; print(bench.machine_limits({threads})['read_GB_s'])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
+
+
+def weight_set(arrays, dev) -> list:
+    """Device tensors of `arrays`: by default in one huge-page arena as the engine holds
+    weights (runtime/engine.py _huge_page_arena: on 4 KiB pages a streamed weight pays a TLB
+    miss and a prefetcher stop every 4 KiB), with --small-pages ordinary allocations."""
+    from tvm_llm.runtime.engine import _huge_page_arena
+
+    offsets = np.cumsum([0] + [-(-a.nbytes // 4096) * 4096 for a in arrays])
+    arena = None if ARGS.small_pages else _huge_page_arena(int(offsets[-1]))
+    if arena is None:
+        return [tvm.runtime.tensor(a.copy(), dev) for a in arrays]
+    out = []
+    for a, off in zip(arrays, offsets):
+        region = arena[off: off + a.nbytes]
+        region[...] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        out.append(tvm.runtime.from_dlpack(region)._create_view(a.shape, str(a.dtype)))
+    return out
 
 
 def compiled_from(path: str, fmt: str, K: int, N: int):
@@ -167,7 +189,7 @@ def main():
             arrays = stored_np(w, fmt, "vnni")
             nbytes = sum(a.nbytes for a in arrays)
             copies = max(1, int(ARGS.rotate_mb * 2**20 // nbytes) + 1) if ARGS.cold else 1
-            sets = [[tvm.runtime.tensor(a.copy(), dev) for a in arrays] for _ in range(copies)]
+            sets = [weight_set(arrays, dev) for _ in range(copies)]
             fs = [compiled(fmt, K, N)] + ([compiled_from(ARGS.against, fmt, K, N)] if ARGS.against else [])
             wd = fake_quantize(w, fmt)
             t1 = [None] * len(fs)

@@ -124,37 +124,74 @@ class TvmRunner:
         return t1 - t0, t3 - t2
 
 
-def measure(runners, prompt_len, gen_len, repeats, warmup=1):
+class BandwidthProbe:
+    """The machine's read bandwidth at this moment (GB/s): torch's sum over a 256 MB buffer at
+    `threads` threads, best of 3 (~0.1 s). The buffer lies on transparent huge pages, as the
+    engine's weights do (runtime/engine.py _huge_page_arena): on 4 KiB pages the same sum reads
+    ~15-20% less on our machines (a TLB miss and a prefetcher stop every 4 KiB), which made
+    half-precision builds show more than 1.0 of a roofline measured that way. The VM's bandwidth
+    drifts by up to 2x within minutes, so `measure` probes before and after every timed run and
+    each run's roofline share uses its own probes."""
+
+    def __init__(self, threads: int, mb: int = 256):
+        import mmap
+
+        import torch
+
+        self.torch, self.threads = torch, threads
+        self.region = mmap.mmap(-1, mb * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self.region.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass  # THP refused: ordinary pages
+        self.buf = torch.frombuffer(self.region, dtype=torch.float32)
+        self.buf.fill_(1.0)
+
+    def __call__(self, tries: int = 3) -> float:
+        self.torch.set_num_threads(self.threads)
+        best = 0.0
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            self.buf.sum()
+            best = max(best, self.buf.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+        return best
+
+
+def measure(runners, prompt_len, gen_len, repeats, warmup=1, probe=None):
+    """Medians over `repeats` interleaved rounds (after `warmup` rounds) per system: prefill and
+    decode tok/s, and with a `probe` (BandwidthProbe) the read bandwidth around each timed run
+    (the mean of a probe just before and just after it) kept per run in "runs"."""
     import numpy as np
 
     prompt = [int(t) for t in np.random.default_rng(0).integers(10, 1000, size=prompt_len)]
     samples = {r.name: [] for r in runners}
     for rep in range(warmup + repeats):
         for r in runners:  # interleaved, so machine noise hits every system alike
+            before = probe() if probe and rep >= warmup else 0.0
             pre, dec = r.run(prompt, gen_len)
             if rep >= warmup:
-                samples[r.name].append((prompt_len / pre, gen_len / dec))
+                bw = (before + probe()) / 2 if probe else 0.0
+                samples[r.name].append((prompt_len / pre, gen_len / dec, bw))
     return {name: {"prefill_tok_s": statistics.median(s[0] for s in v),
-                   "decode_tok_s": statistics.median(s[1] for s in v)} for name, v in samples.items()}
+                   "decode_tok_s": statistics.median(s[1] for s in v),
+                   "runs": [{"prefill_tok_s": p, "decode_tok_s": d, "read_GB_s": b} for p, d, b in v]}
+            for name, v in samples.items()}
 
 
 def machine_limits(threads: int) -> dict:
-    """Measured read bandwidth (GB/s, a 256 MB reduction) and fp32 sgemm (GFLOP/s, 2048^3),
-    both with torch at `threads` threads, best of 5."""
+    """Measured read bandwidth (GB/s, BandwidthProbe: a 256 MB reduction on huge pages) and fp32
+    sgemm (GFLOP/s, 2048^3), both with torch at `threads` threads, best of 5."""
     import torch
 
-    torch.set_num_threads(threads)
-    big = torch.ones(64 * 2**20, dtype=torch.float32)
+    probe = BandwidthProbe(threads)
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    bw, flops = 0.0, 0.0
+    flops = 0.0
     for _ in range(5):
-        t0 = time.perf_counter()
-        big.sum()
-        bw = max(bw, big.numel() * 4 / (time.perf_counter() - t0) / 1e9)
         t0 = time.perf_counter()
         a @ b
         flops = max(flops, 2 * 2048**3 / (time.perf_counter() - t0) / 1e9)
-    return {"read_GB_s": bw, "sgemm_GFLOP_s": flops}
+    return {"read_GB_s": probe(5), "sgemm_GFLOP_s": flops}
 
 
 # Bytes per matmul weight as stored (scales included) of llama.cpp's formats; Q4_K_M is its
@@ -228,17 +265,28 @@ def model_costs(shape: str, context: int, bytes_per_weight: float = 4.0,
 
 
 def print_limits(results, limits, costs, per_system=None):
-    """`per_system`: {system name: its costs} where they differ (quantized weights)."""
-    print(f"# machine: read {limits['read_GB_s']:.1f} GB/s, sgemm {limits['sgemm_GFLOP_s']:.0f} "
+    """Roofline shares. `per_system`: {system name: its costs} where they differ (quantized
+    weights). A system's decode share is the median over its timed runs of bytes per token x
+    tok/s / the bandwidth probed around that run (measure); without probes, `limits`' one."""
+    runs = [r["read_GB_s"] for v in results.values() for r in v.get("runs", ()) if r["read_GB_s"]]
+    span = f" (probed around each run: {min(runs):.1f}-{max(runs):.1f}, median " \
+           f"{statistics.median(runs):.1f})" if runs else ""
+    print(f"# machine: read {limits['read_GB_s']:.1f} GB/s{span}, sgemm {limits['sgemm_GFLOP_s']:.0f} "
           f"GFLOP/s; roofline decode {limits['read_GB_s'] * 1e9 / costs['decode_bytes']:.1f} tok/s, "
           f"prefill {limits['sgemm_GFLOP_s'] * 1e9 / costs['prefill_flops']:.0f} tok/s")
     for name, r in results.items():
         c = (per_system or {}).get(name, costs)
-        roof = limits["read_GB_s"] * 1e9 / c["decode_bytes"]
-        dec = r["decode_tok_s"] * c["decode_bytes"] / 1e9 / limits["read_GB_s"]
+        probed = [x for x in r.get("runs", ()) if x["read_GB_s"]]
+        if probed:
+            bw = statistics.median(x["read_GB_s"] for x in probed)
+            dec = statistics.median(x["decode_tok_s"] * c["decode_bytes"] / 1e9 / x["read_GB_s"]
+                                    for x in probed)
+        else:
+            bw = limits["read_GB_s"]
+            dec = r["decode_tok_s"] * c["decode_bytes"] / 1e9 / bw
         pre = r["prefill_tok_s"] * costs["prefill_flops"] / 1e9 / limits["sgemm_GFLOP_s"]
-        print(f"  {name:<26} decode {dec:.2f} of its bandwidth roofline ({roof:.1f} tok/s), "
-              f"prefill {pre:.2f} of sgemm peak")
+        print(f"  {name:<26} decode {dec:.2f} of its bandwidth roofline ({bw * 1e9 / c['decode_bytes']:.1f} "
+              f"tok/s at {bw:.1f} GB/s), prefill {pre:.2f} of sgemm peak")
 
 
 def print_table(results, reference="transformers eager"):
@@ -321,7 +369,8 @@ def main(argv=None):
             runners.append(TvmRunner(off, args.threads, name=f"tvm_llm without {phase}"))
     print(f"# {args.shape}, batch 1, prompt {args.prompt_len}, generate {args.gen_len}, "
           f"{args.threads} threads, median of {args.repeats}", flush=True)
-    results = measure(runners, args.prompt_len, args.gen_len, args.repeats)
+    results = measure(runners, args.prompt_len, args.gen_len, args.repeats,
+                      probe=BandwidthProbe(args.threads))
     print_table(results)
     limits = machine_limits(args.threads)
     print_limits(results, limits, model_costs(args.shape, context), per_system)

@@ -251,8 +251,7 @@ def model_costs(shape: str, context: int, bytes_per_weight: float = 4.0,
                 kv_bytes_per_value: int = 4) -> dict:
     """Bytes read per decode token (every weight but the embedding table, at
     `bytes_per_weight`, plus the KV cache at `context` tokens, `kv_bytes_per_value` each: 4 for
-    fp32 and quantized builds, 2 for bf16/fp16 builds and llama.cpp's default f16 cache is not
-    modelled) and FLOPs per prefill token (2 per weight multiply-add)."""
+    fp32 and quantized builds, 2 for bf16/fp16 builds and llama.cpp's default f16 cache) and FLOPs per prefill token (2 per weight multiply-add)."""
     s = SHAPES[shape]
     h, L, i, v = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"], s["vocab_size"]
     hd = h // s["num_attention_heads"]
@@ -361,7 +360,8 @@ def main(argv=None):
                 r = llamacpp_ref.LlamaCppRunner(ckpt, qt, args.threads,
                                                 n_ctx=args.prompt_len + args.gen_len + 8)
                 runners.append(r)
-                per_system[r.name] = model_costs(args.shape, context, BYTES_PER_WEIGHT[qt.upper()])
+                # llama.cpp keeps its KV cache in f16 by default: 2 bytes a value
+                per_system[r.name] = model_costs(args.shape, context, BYTES_PER_WEIGHT[qt.upper()], 2)
     if args.ablation:
         for phase in ABLATION_PHASES:
             off = build_model(ckpt, args.shape, args.rebuild, tag=f"no-{phase}",

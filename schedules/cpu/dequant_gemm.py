@@ -27,6 +27,11 @@ Why
     the dequantized k vector straight into the panel column (stride PN) was TVM's scalarized
     strided store, one extract + store per weight: 0.84-0.93x of fp32 instead of 0.92-1.0x.
 
+Few rows: below ``MIN_ROWS`` (8) rows the one dequantization per weight costs more than the
+dot product's one per 3 rows, so the kernel holds both: ``if rows >= MIN_ROWS`` the panel
+GEMM, else the :mod:`.gemv` rule's kernel of the same PrimFunc (a one- or few-token prompt
+runs as fast as before).
+
 Measured (znver4 host running x86-64-v3 code, 2 threads, 128 rows, llama-110m shapes,
 interleaved medians on a shared machine, /tmp script beside the kernels' tests): q8_0 and
 q4_k 0.92-1.02x of the prepacked fp32 GEMM (before: 0.36-0.57x).
@@ -36,19 +41,28 @@ Where it applies is a per-target choice (tvm_llm/targets/llvm.py passes it to
 """
 from __future__ import annotations
 
+import tvm
 from tvm import s_tir, tirx
 from tvm.target import Target
 
 from . import common, gemm, transpose8
+from .gemv import GEMV
 
 DEQUANTIZE_BLOCK = "dequantize"
+# Below this many rows the panel's one dequantization per weight costs more than the dot
+# product's one per 3 rows: measured on x86-64-v3 code (2 threads, llama-110m shapes) the
+# panel kernel was 2-7x slower at 1 row and level with or faster than the dot product at 8.
+MIN_ROWS = 8
 
 
 class DequantGEMM(common.CPURule):
     """Weight-only quantized prefill: dequantize each weight panel once, then the GEMM tile."""
 
-    def __init__(self, tile=None):
+    def __init__(self, tile=None, min_rows: int = MIN_ROWS):
+        """tile: optional (Mr, Nv) override. min_rows: fewer rows than this run the GEMV rule's
+        kernel (dequantize inlined) inside the same kernel, chosen at run time."""
         self.tile = tile
+        self.min_rows = min_rows
 
     def schedule(self, func: tirx.PrimFunc, target: Target):
         prepared = common.prepare_matmul(func, keep_producers=(DEQUANTIZE_BLOCK,))
@@ -70,9 +84,49 @@ class DequantGEMM(common.CPURule):
         if pat.N % pn != 0 or pn % transpose8.N != 0 or pat.K % transpose8.N != 0:
             return None
         try:
-            return schedule_dequant_panel(sch, pat, target, (mr, nv))
+            panel = schedule_dequant_panel(sch, pat, target, (mr, nv))
         except Exception as err:  # pylint: disable=broad-except
             return common.rule_failed(self, func, err)
+        if self.min_rows <= 1:
+            return panel
+        try:
+            return dispatch_by_rows(func, panel, target, pat, self.min_rows) or panel
+        except Exception as err:  # pylint: disable=broad-except
+            common.rule_failed(self, func, err)  # logged; the panel kernel for every M
+            return panel
+
+
+def dispatch_by_rows(func: tirx.PrimFunc, panel: s_tir.Schedule, target: Target,
+                     pat: common.MatmulPattern, min_rows: int) -> s_tir.Schedule | None:
+    """One kernel that runs `panel` when the rows (the product of the M extents) number at
+    least `min_rows`, else the GEMV rule's kernel of the same PrimFunc; None when the GEMV rule
+    does not take it. The GEMV kernel is scheduled from a copy of the PrimFunc with fresh
+    variables (one function cannot define a variable twice) and its parameters are bound to
+    the kernel's by ``match_buffer`` in the block around its branch."""
+    few_func = s_tir.renew_defs(func)
+    few = GEMV().schedule(few_func, target)
+    if few is None:
+        return None
+    fa, fb = panel.mod["main"], few.mod["main"]
+    ra, rb = fa.body.block, fb.body.block
+    if len(fa.params) != len(fb.params):
+        return None
+    binds = []
+    for pa, pb in zip(fa.params, fb.params):  # parameters are buffer variables
+        whole = tvm.ir.TensorRegion(pa, [tvm.ir.Range.from_min_extent(0, d) for d in pa.ty.shape],
+                                    tirx.stmt.BufferRegionType())
+        binds.append(s_tir.MatchBufferRegion(pb, whole))
+    reads = [m.source for m in binds[:-1]]
+    writes = [binds[-1].source]
+    branch = s_tir.SBlockRealize([], True, s_tir.SBlock(
+        [], reads, writes, "few_rows", rb.body, alloc_buffers=list(rb.alloc_buffers),
+        match_buffers=binds))
+    rows = None
+    for e in pat.m_extents:
+        rows = e if rows is None else rows * e
+    body = tirx.IfThenElse(rows >= tirx.const(min_rows, str(rows.ty.dtype)), ra.body, branch)
+    root = s_tir.SBlock([], [], [], ra.name_hint, body, alloc_buffers=list(ra.alloc_buffers))
+    return s_tir.Schedule(fa.with_body(s_tir.SBlockRealize([], True, root)))
 
 
 def schedule_dequant_panel(sch: s_tir.Schedule, pat: common.MatmulPattern, target: Target,

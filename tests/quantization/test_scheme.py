@@ -101,19 +101,21 @@ def test_weight_only_kernels_on_an_avx2_target(fmt):
     dev = tvm.cpu()
     stored = [tvm.runtime.tensor(a, dev) for a in stored_np(w, fmt, "rows")]
     sym = tvm.tirx.Var("n", "int64")
-    # decode (dequantize inlined in the dot product) and prefill of 13 rows (the
-    # dequantize-panel GEMM: two full 6-row tiles and a one-row tail)
-    for x_shape, rows in [((sym, 1, K), (2, 1, K)), ((1, sym, K), (1, 13, K))]:
+    # decode (dequantize inlined in the dot product); prefill of 13 rows (the dequantize-panel
+    # GEMM: two full 6-row tiles and a one-row tail) and of 3 rows (under DequantGEMM's
+    # MIN_ROWS: the same kernel's dot-product branch)
+    for x_shape, shapes in [((sym, 1, K), [(2, 1, K)]), ((1, sym, K), [(1, 13, K), (1, 3, K)])]:
         funcs = {}
         vm = _scheduled_matmul(K, N, fmt, "rows", x_shape, spec.tvm_target(), funcs)
         panel = any("T.parallel" in f.script() and 'T.sblock("dequantize")' in f.script()
                     for f in funcs.values())
         assert panel == (x_shape[1] is sym), x_shape  # prefill only dequantizes panels
-        x = np.random.default_rng(3).standard_normal(rows).astype("float32")
-        got = vm["main"](tvm.runtime.tensor(x, dev), *stored).numpy()
-        y = x.astype(np.float64) @ wd.T
-        ref = y / (1 + np.exp(-y))
-        assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), rows
+        for rows in shapes:
+            x = np.random.default_rng(3).standard_normal(rows).astype("float32")
+            got = vm["main"](tvm.runtime.tensor(x, dev), *stored).numpy()
+            y = x.astype(np.float64) @ wd.T
+            ref = y / (1 + np.exp(-y))
+            assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), rows
 
 
 def test_vnni_layout_holds_unsigned_values_in_tiles():

@@ -32,9 +32,10 @@ dot product's one per 3 rows, so the kernel holds both: ``if rows >= MIN_ROWS`` 
 GEMM, else the :mod:`.gemv` rule's kernel of the same PrimFunc (a one- or few-token prompt
 runs as fast as before).
 
-Measured (znver4 host running x86-64-v3 code, 2 threads, 128 rows, llama-110m shapes,
-interleaved medians on a shared machine, /tmp script beside the kernels' tests): q8_0 and
-q4_k 0.92-1.02x of the prepacked fp32 GEMM (before: 0.36-0.57x).
+Measured (scripts/bench_dequant_prefill.py: znver4 host running x86-64-v3 code, 2 threads,
+32-128 rows, llama-110m shapes, interleaved medians on a shared machine): q8_0 and q4_k
+0.92-1.14x of the prepacked fp32 GEMM (the dot product: 0.36-0.78x); znver4 (AVX-512) code
+0.89-0.94x (dot product 0.50-0.72x).
 
 Where it applies is a per-target choice (tvm_llm/targets/llvm.py passes it to
 :func:`schedules.cpu.cpu_rules`).

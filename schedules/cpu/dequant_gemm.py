@@ -4,8 +4,8 @@ Claims
     PrimFuncs that are one weight-only quantized matmul ``C[m.., n] = sum_k A[m.., k] *
     dequantize(stored)[n, k]`` (tvm_llm/quantization/kernels.py ``dequantize_matmul``: a
     spatial ``dequantize`` block producing the (N, K) float weight from the packed arrays)
-    plus injective epilogues, when the rows are a prefill's (not decode-shaped ``(b, 1, K)``)
-    and N is a multiple of the panel width. Decode keeps :mod:`.gemv` (the dequantize inlined
+    plus injective epilogues, when the rows are a prefill's (not decode-shaped ``(b, 1, K)``;
+    a static row count at least ``MIN_ROWS``) and N is a multiple of the panel width. Decode keeps :mod:`.gemv` (the dequantize inlined
     into a streaming dot product, which is bandwidth-bound and reads only the packed bytes).
 
 Why
@@ -70,8 +70,10 @@ class DequantGEMM(common.CPURule):
         if prepared is None:
             return None
         sch, pat = prepared
-        if not pat.b_transposed or pat.decode_like or pat.m_static is not None:
+        if not pat.b_transposed or pat.decode_like:
             return None
+        if pat.m_static is not None and pat.m_static < self.min_rows:
+            return None  # e.g. a prefill's last-token LM head: the GEMV rule's dot product
         main = sch.get_sblock(pat.block_name)
         producers = [p for p in sch.get_producers(main)
                      if common.block_name(sch, p) == DEQUANTIZE_BLOCK]
@@ -88,7 +90,7 @@ class DequantGEMM(common.CPURule):
             panel = schedule_dequant_panel(sch, pat, target, (mr, nv))
         except Exception as err:  # pylint: disable=broad-except
             return common.rule_failed(self, func, err)
-        if self.min_rows <= 1:
+        if self.min_rows <= 1 or pat.m_static is not None:
             return panel
         try:
             return dispatch_by_rows(func, panel, target, pat, self.min_rows) or panel

@@ -2,13 +2,13 @@
 
 Rules, tried in order (the first that claims a PrimFunc schedules it):
 
+* :class:`.moe.MoEGemm`: the grouped expert GEMM of mixture-of-experts layers (weights indexed
+  by each row's expert id);
 * :class:`.gemm.GEMM`: weight matmuls over a packed weight panel (prefill GEMM and decode GEMV)
   when the build lets the weight change layout (``layout_free_buffers``), and NN matmuls;
 * :class:`.dequant_gemm.DequantGEMM` (where the target asks for it: ``dequant_panel``):
   weight-only quantized prefill, each weight panel dequantized once into a float buffer and
   multiplied by the GEMM micro-kernel;
-* :class:`.moe.MoEGemm`: the grouped expert GEMM of mixture-of-experts layers (weights indexed
-  by each row's expert id);
 * :class:`.gemv.GEMV`: NT weight matmuls over the row-major (N, K) weight;
 * :class:`.reduction.RowReduction`: RMSNorm / LayerNorm / softmax (row reductions + elementwise);
 * :class:`.elementwise.Elementwise`: injective kernels (RoPE, adds, casts, transposes, take);

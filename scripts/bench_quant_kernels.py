@@ -8,9 +8,13 @@ For each Llama linear shape it builds the exact kernels the QuantizeLinear pass 
 copies to defeat the last-level cache. Prints ms, bytes of packed weights read per call, GB/s,
 the fraction of the machine's read bandwidth measured in the same run (torch sum over a 512 MB
 tensor), GFLOP/s, and the error against the numpy reference. torch's fp32 linear is the reference.
+Kernels are scheduled as a build for `--arch` schedules them (tvm_llm/targets: weights marked
+layout-free, so fp32 runs the GEMM over weights packed once, as a build packs them, and
+weight-only prefill the target's choice of rule; x86-64-v3 gives AVX2 code, which runs here).
 
     python scripts/bench_quant_kernels.py --threads 2 [--models 110m,1b] [--only qkv,down]
         [--schemes fp32,q8_0,q4_0,q4_1,q4_k,q8_0_a8,q4_0_a8,q4_1_a8,q4_k_a8] [--rows 1|128]
+        [--arch x86-64-v3]
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ def _parse():
     p.add_argument("--only", default="")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--rotate-mb", type=int, default=256)
+    p.add_argument("--arch", default=None, help="--arch of the build (default: this CPU)")
     return p.parse_args()
 
 
@@ -70,29 +75,36 @@ def _scheme(name):
 
 
 def kernel_module(K: int, N: int, scheme):
-    """IRModule with `main(x (b, 1, K) or (1, n, K), *weights) -> y` built as the pass builds it."""
+    """(VirtualMachine, fn name, transform_params or None): `fn(x (b, 1, K) or (1, n, K),
+    *weights) -> y` built as the pass builds it and scheduled as a build for --arch schedules
+    it (tvm_llm/targets/llvm.py schedule_passes: fp32 weights packed by transform_params)."""
     bb = relax.BlockBuilder()
     b = tvm.tirx.Var("b", "int64")
     x = relax.Var("x", relax.TensorType([b, 1, K] if ARGS.rows == 1 else [1, b, K], "float32"))
     shapes = [([N, K], "float32")] if scheme is None else kernels.stored_shapes(N, K, *scheme)
     ws = [relax.Var(f"w{i}", relax.TensorType(shape, dtype)) for i, (shape, dtype) in enumerate(shapes)]
-    with bb.function("main", [x] + ws):
+    spec = get_target("llvm", arch=ARGS.arch)
+    name = "decode" if ARGS.rows == 1 else "prefill"  # a model function: its packing is lifted
+    with bb.function(name, [x] + ws, attrs={"num_input": 1}):
         with bb.dataflow():
             if scheme is None:
                 y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(ws[0])))
             else:
                 y = bb.emit(emit_quantized_matmul(bb, x, ws, scheme[0], scheme[1], K, N,
-                                                  "float32", get_target("llvm")))
+                                                  "float32", spec))
             out = bb.emit_output(y)
         bb.emit_func_output(out)
     mod = bb.get()
-    target = workloads.host_target(ARGS.threads)
+    target = spec.tvm_target()  # num-cores from TVM_NUM_THREADS (--threads)
     with target, tvm.transform.PassContext(opt_level=3):
         mod = relax.transform.FuseTransposeMatmul()(mod)
         mod = workloads.lower_to_tir(mod)
-        mod = cpu_schedule_pass()(mod)
+        for p in spec.schedule_passes():
+            mod = p(mod)
         ex = tvm.compile(mod, target=target)
-    return relax.VirtualMachine(ex, tvm.cpu())
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    names = {gv.name_hint for gv in mod.get_global_vars()}
+    return vm, name, (vm["transform_params"] if "transform_params" in names else None)
 
 
 def stored_weights(w: np.ndarray, scheme):
@@ -144,14 +156,16 @@ def main():
             t_torch = _time(lambda i: torch.nn.functional.linear(tx, tws[i % copies_t]), copies_t)
             for sname in ARGS.schemes.split(","):
                 scheme = _scheme(sname)
-                vm = kernel_module(K, N, scheme)
+                vm, fname, packer = kernel_module(K, N, scheme)
                 arrays = stored_weights(w, scheme)
                 ref = ref_f if scheme is None else _reference(x, w, scheme)
                 nbytes = sum(a.nbytes for a in arrays)
                 copies = max(1, int(ARGS.rotate_mb * 2**20 // nbytes) + 1)
                 sets = [[tvm.runtime.tensor(a.copy(), dev) for a in arrays] for _ in range(copies)]
+                if packer is not None:  # the build-time weight packing, once per copy
+                    sets = [list(packer(s)) for s in sets]
                 xt = tvm.runtime.tensor(x, dev)
-                f = vm["main"]
+                f = vm[fname]
                 out = f(xt, *sets[0]).numpy().reshape(-1, N)
                 err = float(np.abs(out - ref).max() / np.abs(ref).max())
                 t = _time(lambda i: f(xt, *sets[i % copies]), copies)

@@ -437,7 +437,8 @@ def match_matmul_block(sch: s_tir.Schedule, block) -> MatmulPattern | None:
     )
 
 
-def prepare_matmul(func: tirx.PrimFunc, dtypes=("float32",), allow_computed_b: bool = False):
+def prepare_matmul(func: tirx.PrimFunc, dtypes=("float32",), allow_computed_b: bool = False,
+                   keep_producers: tuple = ()):
     """Match a (fused) weight matmul and normalize its epilogue.
 
     Returns (sch, pattern) with the schedule's injective prologue blocks inlined into the
@@ -445,6 +446,8 @@ def prepare_matmul(func: tirx.PrimFunc, dtypes=("float32",), allow_computed_b: b
     function is not one matmul over a static 2-D weight plus injective blocks.
     `allow_computed_b`: also accept a weight computed by an inlined prologue (a quantized
     weight's dequantize); the pattern's b_index is then -1 (nothing to repack).
+    `keep_producers`: names of prologue blocks left as they are (not inlined), e.g. the
+    dequantize that :mod:`.dequant_gemm` computes into a panel buffer.
     """
     if not isinstance(func, tirx.PrimFunc):
         return None
@@ -468,7 +471,8 @@ def prepare_matmul(func: tirx.PrimFunc, dtypes=("float32",), allow_computed_b: b
         return None
     # Prologue: blocks producing the matmul's inputs get inlined into it.
     for _ in range(len(others) + 1):
-        producers = [p for p in sch.get_producers(sch.get_sblock(main_name))]
+        producers = [p for p in sch.get_producers(sch.get_sblock(main_name))
+                     if block_name(sch, p) not in keep_producers]
         if not producers:
             break
         progress = False
@@ -482,7 +486,8 @@ def prepare_matmul(func: tirx.PrimFunc, dtypes=("float32",), allow_computed_b: b
             return None
     # Epilogue: inline every consumer block but the last into its consumers.
     for _ in range(len(others) + 1):
-        rest = [b for b in root_blocks(sch) if block_name(sch, b) != main_name]
+        rest = [b for b in root_blocks(sch)
+                if block_name(sch, b) != main_name and block_name(sch, b) not in keep_producers]
         if len(rest) <= 1:
             break
         progress = False
@@ -503,7 +508,8 @@ def prepare_matmul(func: tirx.PrimFunc, dtypes=("float32",), allow_computed_b: b
     if len(b_pos) != 1 and not allow_computed_b:
         return None  # the weight itself came from a fused producer (cast, dequantize, ...)
     pattern.b_index = b_pos[0] if len(b_pos) == 1 else -1
-    rest = [b for b in root_blocks(sch) if block_name(sch, b) != main_name]
+    rest = [b for b in root_blocks(sch)
+            if block_name(sch, b) != main_name and block_name(sch, b) not in keep_producers]
     if len(rest) > 1:
         return None
     if rest:

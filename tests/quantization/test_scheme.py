@@ -31,8 +31,10 @@ def _has_vnni():
     return bool(tvm.target.codegen.llvm_cpu_has_features("avx512vnni", t))
 
 
-def _scheduled_matmul(K, N, fmt, layout, x_shape, target=None):
-    """The pass's matmul kernel (x of x_shape, may be symbolic) scheduled by our CPU rules."""
+def _scheduled_matmul(K, N, fmt, layout, x_shape, target=None, kernels_out=None):
+    """The pass's matmul kernel (x of x_shape, may be symbolic) scheduled by our CPU rules as
+    an x86 build schedules it (weight-only prefill through the dequantize-panel GEMM);
+    `kernels_out`, a dict, receives the scheduled PrimFuncs by name."""
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType(list(x_shape), "float32"))
     ws = [relax.Var(f"w{i}", relax.TensorType(shape, dtype))
@@ -47,10 +49,12 @@ def _scheduled_matmul(K, N, fmt, layout, x_shape, target=None):
     target = target or workloads.host_target(2)
     with target, tvm.transform.PassContext(opt_level=3):
         mod = workloads.lower_to_tir(bb.get())
-        scheduled = cpu_schedule_pass()(mod)
+        scheduled = cpu_schedule_pass(dequant_panel=True)(mod)
         for gv, f in scheduled.functions_items():
             if isinstance(f, tvm.tirx.PrimFunc) and "matmul" in gv.name_hint:
                 assert f.attrs and f.attrs.get("tirx.is_scheduled"), gv.name_hint
+                if kernels_out is not None:
+                    kernels_out[gv.name_hint] = f
         ex = tvm.compile(scheduled, target=target)
     return relax.VirtualMachine(ex, tvm.cpu())
 
@@ -90,16 +94,28 @@ def test_weight_only_kernels_on_an_avx2_target(fmt):
 
     spec = get_target("llvm", arch="x86-64-v3")
     assert spec.vector_isa() == "avx2" and not spec.supports_int8_dot()
+    assert spec.dequantize_panel_prefill()
     K, N = 256, 32
     w = _weights(N, K)
-    vm = _scheduled_matmul(K, N, fmt, "rows", (tvm.tirx.Var("n", "int64"), 1, K), spec.tvm_target())
-    x = np.random.default_rng(3).standard_normal((2, 1, K)).astype("float32")
+    wd = FORMATS[fmt].dequantize(FORMATS[fmt].quantize(w))
     dev = tvm.cpu()
-    got = vm["main"](tvm.runtime.tensor(x, dev),
-                     *[tvm.runtime.tensor(a, dev) for a in stored_np(w, fmt, "rows")]).numpy()
-    y = x.astype(np.float64) @ FORMATS[fmt].dequantize(FORMATS[fmt].quantize(w)).T
-    ref = y / (1 + np.exp(-y))
-    assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+    stored = [tvm.runtime.tensor(a, dev) for a in stored_np(w, fmt, "rows")]
+    sym = tvm.tirx.Var("n", "int64")
+    # decode (dequantize inlined in the dot product); prefill of 13 rows (the dequantize-panel
+    # GEMM: two full 6-row tiles and a one-row tail) and of 3 rows (under DequantGEMM's
+    # MIN_ROWS: the same kernel's dot-product branch)
+    for x_shape, shapes in [((sym, 1, K), [(2, 1, K)]), ((1, sym, K), [(1, 13, K), (1, 3, K)])]:
+        funcs = {}
+        vm = _scheduled_matmul(K, N, fmt, "rows", x_shape, spec.tvm_target(), funcs)
+        panel = any("T.parallel" in f.script() and 'T.sblock("dequantize")' in f.script()
+                    for f in funcs.values())
+        assert panel == (x_shape[1] is sym), x_shape  # prefill only dequantizes panels
+        for rows in shapes:
+            x = np.random.default_rng(3).standard_normal(rows).astype("float32")
+            got = vm["main"](tvm.runtime.tensor(x, dev), *stored).numpy()
+            y = x.astype(np.float64) @ wd.T
+            ref = y / (1 + np.exp(-y))
+            assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), rows
 
 
 def test_vnni_layout_holds_unsigned_values_in_tiles():

@@ -234,7 +234,22 @@ class LLVMTarget(TargetSpec):
         from schedules.cpu.prepack import MarkWeightsLayoutFree, prepack_passes
 
         register_fast_exp()  # vector exp for SiLU and softmax instead of one expf per lane
-        return [MarkWeightsLayoutFree(), cpu_schedule_pass(), *prepack_passes()]
+        return [MarkWeightsLayoutFree(),
+                cpu_schedule_pass(dequant_panel=self.dequantize_panel_prefill()),
+                *prepack_passes()]
+
+    def dequantize_panel_prefill(self) -> bool:
+        """Whether weight-only quantized prefill dequantizes each weight panel once per call
+        into a float buffer and runs the float GEMM micro-kernel on it
+        (schedules/cpu/dequant_gemm.py) instead of dequantizing inside the row-major dot
+        product for every 3 rows (schedules/cpu/gemv.py). Measured on x86 (x86-64-v3 code and
+        znver4 code on this znver4 machine, 2 threads, 32-128 rows, machine shared): q8_0 and
+        q4_k kernels went from 0.36-0.78x of the packed fp32 GEMM to 0.89-1.14x
+        (scripts/bench_dequant_prefill.py). aarch64 keeps the dot product (the rule would
+        compile there, but it was not measured on a NEON machine). Decode-shaped kernels keep
+        the GEMV rule, and prefills of fewer than 8 rows take it inside the same kernel.
+        Default int8-activation builds (VNNI CPUs) have no weight-only matmul: unchanged."""
+        return self.isa_arch == "x86_64"
 
     def export_library(self, executable, path: str, workspace_dir: str | None = None) -> None:
         if self.isa_arch != os.uname().machine:

@@ -3,20 +3,20 @@ kernel and its ragged prefill kernel (attention among a prefill's new tokens).
 
 TVM's CPU kernel (`batch_decode_paged_kv_cpu`) runs every (sequence, head) on one thread with scalar loops and rescales the
 output after every single token: on llama-110m it took 1.6 ms of a 4 ms W4A8 decode step (12
-layers, ~190 cached tokens). This kernel keeps TVM's signature (the runtime's paged KV cache
-calls it unchanged) and:
+layers, ~190 cached tokens). The decode kernel here keeps TVM's signature (the runtime's paged
+KV cache calls it unchanged) and:
 
 * runs (sequence, KV head) pairs in parallel; the query heads sharing a KV head (GQA) are
   handled together, so each K/V page is read from memory once per group;
-* works a page at a time (the build's page size, 8 to 128 tokens): one dot product per token
-  as a single vector expression (16-lane products over the head dim, the lanes folded in
-  halves), one online-softmax rescale per page instead of per token, a full page's
-  exponentials as one vector of arithmetic (no libm call per key), then the weighted V rows
-  with each output slice kept in a register;
-* in decode with at most SPLIT_ITEMS / 2 (sequence, KV head) items (batch 1, few KV heads),
-  splits each sequence's keys into page-aligned chunks attended in parallel and merged by
-  their maxima, so that every thread has work (with more items a split would give each one
-  chunk: a second parallel pass and a workspace for nothing);
+* scores 16 keys at a time as one vector: each key's products over the head dim in 16-lane
+  FMAs, then the 16 keys' lanes summed by a merge tree of shuffles (15 two-shuffle merges for
+  16 keys, where a horizontal sum per key took 4 shuffle-and-adds each); one online-softmax
+  rescale and one vector of exponentials (no libm call per key) per block; each output row
+  rewritten once per block as a single expression (nothing accumulated through memory);
+* with fewer (sequence, KV head) items than the target's cores (batch 1, few KV heads, many
+  cores), splits each sequence's keys into page-aligned chunks attended in parallel and
+  merged by their maxima on the calling thread; with enough items (llama-110m's and
+  llama-1b's 4 KV heads on 2 cores) there is one parallel pass and no workspace;
 * requires the rotary embedding to be applied before the cache (our import uses
   RopeMode.NONE, see tvm_llm/frontend/relax_import.py); rotary_mode is ignored.
 
@@ -40,10 +40,6 @@ from tvm.script import tirx as T
 from .fast_math import fast_exp_expr
 
 PAGE_SIZES = (8, 16, 32, 64, 128)  # page sizes the kernels are built for (tokens per page)
-# decode with at most half this many (sequence, KV head) items splits each sequence's keys into
-# SPLIT_ITEMS // items chunks attended in parallel (so that every thread of a 16-core machine
-# has work at batch 1 with few KV heads), merged by their maxima
-SPLIT_ITEMS = 16
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -352,9 +348,11 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
     update the online softmax once; then each output row is rewritten as one expression,
     o * rescale + sum_t p_t V_t over the block (two partial sums), so nothing accumulates
     through memory (inside a whole model's module LLVM may not know the buffers apart).
-    A block that is not wholly inside the item's keys (a partial last page, a chunk or window
-    edge) reads its key and value rows clamped into the valid ones and masks their scores and
-    weights (never reading a slot the cache has not written: its junk may be NaN).
+    Every block reads its key and value rows clamped into its valid keys [lo, hi) and masks
+    the scores and weights of the others (a partial last page, a chunk or window edge; never
+    reading a slot the cache has not written: its junk may be NaN). One code path for full and
+    partial blocks: as fast as a separate unmasked one (the clamps are scalar work beside the
+    vector work) and half the code to compile.
 
     Parallel items are (sequence, KV head) pairs; with fewer than `threads` of them (batch 1,
     few KV heads) each sequence's keys are split into ceil(threads / items) page-aligned
@@ -372,21 +370,25 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
     symbol = "batch_decode_paged_kv_cpu" + ("_sliding_window" if sliding else "")
     split = threads > H_kv
 
+    # the group's heads unrolled when few (G <= 4: 8% faster than a loop at llama-110m's 3);
+    # a loop for more (llama-1b's 8: the unrolled kernel compiled in 3.3 s CPU, the loop 1.2)
+    heads = T.unroll if G <= 4 else T.serial
+
     def n_chunks(batch):  # chunks per (sequence, KV head) item when they are split
         return T.ceildiv(threads, batch * H_kv)
 
     def bcast(x, n=TB):
         return tirx.Broadcast(x, n)
 
-    def row(base, t, lo, hi, masked):
-        """Flat offset of key t of the block at `base` (clamped into [lo, hi) when masked)."""
-        return base + (T.min(T.max(t, lo), hi - 1) if masked else t) * D
+    def row(base, t, lo, hi):
+        """Flat offset of key t of the block at `base`, clamped into the valid keys [lo, hi)."""
+        return base + T.min(T.max(t, lo), hi - 1) * D
 
-    def scores(q, g, flat, kb, lo, hi, masked):
+    def scores(q, g, flat, kb, lo, hi):
         """The block's TB scores of query head g, one TB-lane vector."""
         vecs = []
         for t in range(TB):
-            r = row(kb, t, lo, hi, masked)
+            r = row(kb, t, lo, hi)
             acc = None
             for d0 in range(D // L):
                 k = flat.vload([r + d0 * L], f"{dtype}x{L}")
@@ -397,11 +399,11 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
             vecs.append(acc)
         return _transpose_sum(vecs, L)
 
-    def values(o, sp, g, flat, vb, lo, hi, masked, rescale):
+    def values(o, sp, g, flat, vb, lo, hi, rescale):
         """o[g] * rescale + sum_t p_t V_t over the block, as one D-lane expression."""
         parts = [o.vload([g, 0], f"float32x{D}") * bcast(rescale, D), None]
         for t in range(TB):
-            v = flat.vload([row(vb, t, lo, hi, masked)], f"{dtype}x{D}")
+            v = flat.vload([row(vb, t, lo, hi)], f"{dtype}x{D}")
             if dtype != "float32":
                 v = tirx.Cast(f"float32x{D}", v)
             term = bcast(sp[g, t], D) * v
@@ -409,32 +411,25 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
         return parts[0] + parts[1]
 
     @T.macro
-    def block(q, o, m, den, sp, st, flat, kb, vb, lo, hi, sm_scale, masked):
+    def block(q, o, m, den, sp, st, flat, kb, vb, lo, hi, sm_scale):
         """Keys [lo, hi) of the TB-key block whose first key row is at kb (values at vb)."""
         inside = tirx.all(R >= bcast(lo), R < bcast(hi))
-        for g in range(G):  # a loop, not unrolled: LLVM would keep the block's K rows in
-            # registers across the heads (CSE of their loads) and spill them; L1 reloads are cheaper
+        for g in heads(G):
+            sp[g, R] = scores(q, g, flat, kb, lo, hi)
             if capped:
                 sp[g, R] = T.Select(bcast(_cap2(table, sm_scale) > T.float32(0)),
                                     bcast(_cap2(table, sm_scale)) * T.tanh(
-                                        scores(q, g, flat, kb, lo, hi, masked)
-                                        / bcast(T.max(_cap2(table, sm_scale),
-                                                      T.float32(1e-30)))),
-                                    scores(q, g, flat, kb, lo, hi, masked))
-            else:
-                sp[g, R] = scores(q, g, flat, kb, lo, hi, masked)
-            if masked:
-                sp[g, R] = T.Select(inside, sp[g, R], bcast(T.float32(NEG)))
+                                        sp[g, R] / bcast(T.max(_cap2(table, sm_scale),
+                                                               T.float32(1e-30)))),
+                                    sp[g, R])
+            sp[g, R] = T.Select(inside, sp[g, R], bcast(T.float32(NEG)))
             st[0] = T.max(m[g], _fold(sp[g, R], TB, T.max))  # the new maximum
             st[1] = _exp2(m[g] - st[0])  # the rescale of what was summed so far
-            if masked:
-                sp[g, R] = T.Select(inside, _vec_exp2_n(sp[g, R] - bcast(st[0]), TB),
-                                    bcast(T.float32(0)))
-            else:
-                sp[g, R] = _vec_exp2_n(sp[g, R] - bcast(st[0]), TB)
+            sp[g, R] = T.Select(inside, _vec_exp2_n(sp[g, R] - bcast(st[0]), TB),
+                                bcast(T.float32(0)))
             den[g] = den[g] * st[1] + _fold(sp[g, R], TB, lambda a, b: a + b)
             m[g] = st[0]
-            o[g, RD] = values(o, sp, g, flat, vb, lo, hi, masked, st[1])
+            o[g, RD] = values(o, sp, g, flat, vb, lo, hi, st[1])
 
     @T.macro
     def over_pages(q, o, m, den, sp, st, flat, page_values, begin, offset, t_lo, t_hi, hk,
@@ -448,11 +443,9 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
                 for sub in range(SUBS):
                     kb = (((page * 2 + 0) * H_kv + hk) * PAGE + sub * TB) * D
                     vb = (((page * 2 + 1) * H_kv + hk) * PAGE + sub * TB) * D
-                    if lo <= sub * TB and hi >= sub * TB + TB:
-                        block(q, o, m, den, sp, st, flat, kb, vb, 0, TB, sm_scale, False)
-                    elif hi > sub * TB and lo < sub * TB + TB:
+                    if hi > sub * TB and lo < sub * TB + TB:
                         block(q, o, m, den, sp, st, flat, kb, vb, T.max(lo - sub * TB, 0),
-                              T.min(hi - sub * TB, TB), sm_scale, True)
+                              T.min(hi - sub * TB, TB), sm_scale)
 
     @T.prim_func(check_well_formed=False)
     def decode_attention(Q_handle: T.handle, pages_handle: T.handle,
@@ -579,21 +572,20 @@ def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, d
     buffer is matched with that extent, so another page size is a run-time shape error).
     `table`: per-layer variants (a layer code in sm_scale). `sliding`: the kernel for the
     cache's sliding-window page layout (`batch_decode_paged_kv_cpu_sliding_window`).
-    `vector=False`: no CPU vector expressions (a GPU build, see `for_gpu`)."""
+    `vector=False`: no CPU vector expressions (a GPU build, see `for_gpu`): one item a thread,
+    the per-token loop below. `threads`: the cores the CPU kernel is built for (the target's
+    num-cores); with fewer (sequence, KV head) items than that, keys are split over threads."""
     if page_size not in PAGE_SIZES:
         raise ValueError(f"page_size {page_size} is not one of {PAGE_SIZES}")
     PAGE = page_size
     H_kv, H_qo, D = num_kv_heads, num_qo_heads, head_dim
-    if vector and D % 4 == 0:
+    if vector:
         return _vector_decode_func(H_kv, H_qo, D, dtype, PAGE, table, sliding, threads)
     G = H_qo // H_kv
     L = _lanes(D)
     start, block, finish = _online_softmax_macros(G, D, L, dtype, table, H_qo, vector)
     over_pages = _over_pages_macro(block, PAGE, H_kv, D)
     symbol = "batch_decode_paged_kv_cpu" + ("_sliding_window" if sliding else "")
-    # CPU builds split the context when items are few (GPU: one item a thread); with more KV
-    # heads than SPLIT_ITEMS // 2 a batch never has that few items
-    split = vector and H_kv <= SPLIT_ITEMS // 2
 
     @T.prim_func(check_well_formed=False)
     def decode_attention(Q_handle: T.handle, pages_handle: T.handle,
@@ -628,90 +620,29 @@ def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, d
                                      elem_offset=length_info_elem_offset)
         flat = T.decl_buffer((max_num_pages * 2 * H_kv * PAGE * D,), dtype, data=pages.data)
 
-        # enough (sequence, KV head) items, or so many that a split would make one chunk each
-        # (an extra parallel pass and a workspace for nothing)
-        if not split or B * H_kv > SPLIT_ITEMS // 2:
-            for bh in T.parallel(B * H_kv):
-                q = T.alloc_buffer((G, D), "float32", scope="local")
-                o = T.alloc_buffer((G, D), "float32", scope="local")
-                m = T.alloc_buffer((G,), "float32", scope="local")
-                den = T.alloc_buffer((G,), "float32", scope="local")
-                s = T.alloc_buffer((PAGE,), "float32", scope="local")
-                part = T.alloc_buffer((L,), "float32", scope="local")
-                mx = T.alloc_buffer((1,), "float32", scope="local")
-                b = bh // H_kv
-                hk = bh % H_kv
-                start(q, o, m, den, Q, b, hk * G, sm_scale)
-                begin = page_table_indptr[b]
-                npages = page_table_indptr[b + 1] - begin
-                last = _last_page_len(length_info, b, sliding)
-                offset = _window_offset(length_info, b, npages, sliding)
-                n_keys = T.Select(npages > 0, (npages - 1) * PAGE + last - offset, 0)
-                t_lo = _window_start(_window(table, sm_scale), q_rope_position[b],
-                                     k_rope_pos_offset[b])
-                over_pages(q, o, m, den, s, part, mx, flat, page_table_values, begin, npages,
-                           last, offset, t_lo, n_keys, hk, sm_scale)
-                finish(o, m, den, mx, output, lse, b, hk * G,
-                       _owns_sink(table, sliding, n_keys, k_rope_pos_offset[b],
-                                  q_rope_position[b]), sm_scale)
-        else:
-            # few items (batch 1, few KV heads): each sequence's keys split into
-            # SPLIT_ITEMS // items page-aligned chunks attended in parallel, then merged
-            state = T.alloc_buffer((B * H_kv * (SPLIT_ITEMS // (B * H_kv)), G, D + 2), "float32")
-            for item in T.parallel(B * H_kv * (SPLIT_ITEMS // (B * H_kv))):
-                q = T.alloc_buffer((G, D), "float32", scope="local")
-                o = T.alloc_buffer((G, D), "float32", scope="local")
-                m = T.alloc_buffer((G,), "float32", scope="local")
-                den = T.alloc_buffer((G,), "float32", scope="local")
-                s = T.alloc_buffer((PAGE,), "float32", scope="local")
-                part = T.alloc_buffer((L,), "float32", scope="local")
-                mx = T.alloc_buffer((1,), "float32", scope="local")
-                bh = item // (SPLIT_ITEMS // (B * H_kv))
-                c = item % (SPLIT_ITEMS // (B * H_kv))
-                b = bh // H_kv
-                hk = bh % H_kv
-                start(q, o, m, den, Q, b, hk * G, sm_scale)
-                begin = page_table_indptr[b]
-                npages = page_table_indptr[b + 1] - begin
-                last = _last_page_len(length_info, b, sliding)
-                offset = _window_offset(length_info, b, npages, sliding)
-                n_keys = T.Select(npages > 0, (npages - 1) * PAGE + last - offset, 0)
-                chunk = T.ceildiv(n_keys, (SPLIT_ITEMS // (B * H_kv)) * PAGE) * PAGE
-                t_lo = T.max(_window_start(_window(table, sm_scale), q_rope_position[b],
-                                           k_rope_pos_offset[b]), c * chunk)
-                over_pages(q, o, m, den, s, part, mx, flat, page_table_values, begin, npages,
-                           last, offset, t_lo, T.min(n_keys, c * chunk + chunk), hk, sm_scale)
-                for g in range(G):
-                    for d in T.vectorized(D):
-                        state[item, g, d] = o[g, d]
-                    state[item, g, D] = m[g]
-                    state[item, g, D + 1] = den[g]
-            for bh in T.parallel(B * H_kv):
-                o = T.alloc_buffer((G, D), "float32", scope="local")
-                m = T.alloc_buffer((G,), "float32", scope="local")
-                den = T.alloc_buffer((G,), "float32", scope="local")
-                mx = T.alloc_buffer((1,), "float32", scope="local")
-                b = bh // H_kv
-                hk = bh % H_kv
-                for g in range(G):
-                    m[g] = T.float32(-5e4)
-                    for c in range(SPLIT_ITEMS // (B * H_kv)):
-                        m[g] = T.max(m[g], state[bh * (SPLIT_ITEMS // (B * H_kv)) + c, g, D])
-                    den[g] = T.float32(0)
-                    for d in T.vectorized(D):
-                        o[g, d] = T.float32(0)
-                    for c in range(SPLIT_ITEMS // (B * H_kv)):
-                        w = _exp2(state[bh * (SPLIT_ITEMS // (B * H_kv)) + c, g, D] - m[g])
-                        den[g] = den[g] + w * state[bh * (SPLIT_ITEMS // (B * H_kv)) + c, g, D + 1]
-                        for d in T.vectorized(D):
-                            o[g, d] = o[g, d] + w * state[bh * (SPLIT_ITEMS // (B * H_kv)) + c, g, d]
-                npages = page_table_indptr[b + 1] - page_table_indptr[b]
-                n_keys = T.Select(npages > 0, (npages - 1) * PAGE
-                                  + _last_page_len(length_info, b, sliding)
-                                  - _window_offset(length_info, b, npages, sliding), 0)
-                finish(o, m, den, mx, output, lse, b, hk * G,
-                       _owns_sink(table, sliding, n_keys, k_rope_pos_offset[b],
-                                  q_rope_position[b]), sm_scale)
+        for bh in T.parallel(B * H_kv):  # one item a GPU thread (see for_gpu)
+            q = T.alloc_buffer((G, D), "float32", scope="local")
+            o = T.alloc_buffer((G, D), "float32", scope="local")
+            m = T.alloc_buffer((G,), "float32", scope="local")
+            den = T.alloc_buffer((G,), "float32", scope="local")
+            s = T.alloc_buffer((PAGE,), "float32", scope="local")
+            part = T.alloc_buffer((L,), "float32", scope="local")
+            mx = T.alloc_buffer((1,), "float32", scope="local")
+            b = bh // H_kv
+            hk = bh % H_kv
+            start(q, o, m, den, Q, b, hk * G, sm_scale)
+            begin = page_table_indptr[b]
+            npages = page_table_indptr[b + 1] - begin
+            last = _last_page_len(length_info, b, sliding)
+            offset = _window_offset(length_info, b, npages, sliding)
+            n_keys = T.Select(npages > 0, (npages - 1) * PAGE + last - offset, 0)
+            t_lo = _window_start(_window(table, sm_scale), q_rope_position[b],
+                                 k_rope_pos_offset[b])
+            over_pages(q, o, m, den, s, part, mx, flat, page_table_values, begin, npages,
+                       last, offset, t_lo, n_keys, hk, sm_scale)
+            finish(o, m, den, mx, output, lse, b, hk * G,
+                   _owns_sink(table, sliding, n_keys, k_rope_pos_offset[b],
+                              q_rope_position[b]), sm_scale)
 
     return decode_attention
 

@@ -1,11 +1,17 @@
 #!/usr/bin/env python
 """Time the CPU attention kernels alone (schedules/cpu/attention.py) on the llama-110m shape.
 
-    python scripts/bench_attention.py [--threads 2] [--heads 12 --kv-heads 12 --head-dim 64]
+    python scripts/bench_attention.py [--threads 2] [--heads 12 --kv-heads 4 --head-dim 64]
+        [--contexts 64,128,256,512] [--batches 1] [--cold] [--baseline REV]
 
-decode: one query token per sequence over 128/512/2048 cached tokens, batch 1 and 8 (GB/s of
-K and V read); prefill: the ragged causal prefill over 128 and 512 new tokens (GFLOP/s of the
-causal q.k and p.v products). Each figure is the fastest of several runs (least disturbed on a shared machine).
+decode: one query token per sequence over the cached tokens of --contexts, each batch size of
+--batches (GB/s of K and V read), the decode kernel built for --threads cores (the build passes
+the target's); --cold rotates over copies of the cache (96 MiB in all) so that K/V come from
+memory as in a model step, where the weights stream through the caches between two calls of a
+layer; with --baseline the git revision's kernel is timed beside the current one, round by
+round (median of --rounds, with min and max: on a shared machine compare within a run).
+prefill: the ragged causal prefill over 128 and 512 new tokens (GFLOP/s of the causal q.k and
+p.v products), the fastest of several runs.
 """
 from __future__ import annotations
 
@@ -66,7 +72,7 @@ def main() -> None:
     import schedules.cpu.attention as current
     versions = {"": current}
     if args.baseline:
-        versions = {"now ": current, "base": _load_baseline(args.baseline)}
+        versions = {"now  ": current, "base ": _load_baseline(args.baseline)}
     from tvm_llm.targets.llvm import LLVMTarget
 
     target = LLVMTarget().tvm_target()

@@ -57,8 +57,12 @@ def cpu_cache_kernels(kv_mod, attn, dtype: str, page_size: int, threads: int = 1
             *shape, page_size=page_size, table=table),
         "batch_prefill_paged_kv_cpu_sliding_window": prefill_paged_attention_func(
             *shape, page_size=page_size, table=table, sliding=True),
+        # the sliding-window layout's decode runs only in a model whose layers all slide (the
+        # runtime enables the layout from the manifest's window): elsewhere the compact
+        # per-token form stands in, never called (the vector kernel costs ~2 s of codegen)
         "batch_decode_paged_kv_cpu_sliding_window": decode_attention_func(
-            *shape, page_size=page_size, table=table, sliding=True, threads=threads),
+            *shape, page_size=page_size, table=table, sliding=True, threads=threads,
+            vector=attn.sliding_window > 0),
     }
     if attn.latent:  # MLA: heads split over threads, values read from the K plane
         from schedules.cpu.mla_attention import latent_decode_attention_func

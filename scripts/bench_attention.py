@@ -1,11 +1,17 @@
 #!/usr/bin/env python
 """Time the CPU attention kernels alone (schedules/cpu/attention.py) on the llama-110m shape.
 
-    python scripts/bench_attention.py [--threads 2] [--heads 12 --kv-heads 12 --head-dim 64]
+    python scripts/bench_attention.py [--threads 2] [--heads 12 --kv-heads 4 --head-dim 64]
+        [--contexts 64,128,256,512] [--batches 1] [--cold] [--baseline REV]
 
-decode: one query token per sequence over 128/512/2048 cached tokens, batch 1 and 8 (GB/s of
-K and V read); prefill: the ragged causal prefill over 128 and 512 new tokens (GFLOP/s of the
-causal q.k and p.v products). Each figure is the fastest of several runs (least disturbed on a shared machine).
+decode: one query token per sequence over the cached tokens of --contexts, each batch size of
+--batches (GB/s of K and V read), the decode kernel built for --threads cores (the build passes
+the target's); --cold rotates over copies of the cache (96 MiB in all) so that K/V come from
+memory as in a model step, where the weights stream through the caches between two calls of a
+layer; with --baseline the git revision's kernel is timed beside the current one, round by
+round (median of --rounds, with min and max: on a shared machine compare within a run).
+prefill: the ragged causal prefill over 128 and 512 new tokens (GFLOP/s of the causal q.k and
+p.v products), the fastest of several runs.
 """
 from __future__ import annotations
 
@@ -16,6 +22,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+COLD_BYTES = 96 << 20  # --cold: K/V copies rotated per call, 3x the 32 MiB L3 of our machines
 
 
 def _load_baseline(rev: str):
@@ -46,9 +55,16 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--only", choices=("decode", "prefill"), default=None)
+    ap.add_argument("--contexts", default="128,512,2048", help="decode: cached tokens, comma list")
+    ap.add_argument("--batches", default="1,8", help="decode: sequences per call, comma list")
+    ap.add_argument("--cold", action="store_true",
+                    help="decode: rotate over copies of the cache (K/V read from memory)")
+    ap.add_argument("--rounds", type=int, default=7, help="decode: interleaved timing rounds")
     ap.add_argument("--baseline", metavar="REV", default=None,
                     help="also time schedules/cpu/attention.py as of git REV, interleaved")
     args = ap.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     import numpy as np
     import tvm
@@ -56,7 +72,7 @@ def main() -> None:
     import schedules.cpu.attention as current
     versions = {"": current}
     if args.baseline:
-        versions = {"now ": current, "base": _load_baseline(args.baseline)}
+        versions = {"now  ": current, "base ": _load_baseline(args.baseline)}
     from tvm_llm.targets.llvm import LLVMTarget
 
     target = LLVMTarget().tvm_target()
@@ -86,12 +102,25 @@ def main() -> None:
         return min(times)  # the least disturbed run (the machine may be shared)
 
     if args.only in (None, "decode"):
-        decs = {k: tvm.compile(tvm.IRModule({"main": m.decode_attention_func(H_kv, H, D, dt, P)}),
-                               target=target)["main"] for k, m in versions.items()}
-        for B in (1, 8):
-            for ctx in (128, 512, 2048):
+        import inspect
+
+        def decode_kernel(m):
+            kw = {}
+            if "threads" in inspect.signature(m.decode_attention_func).parameters:
+                kw["threads"] = args.threads  # the build passes the target's cores
+            return tvm.compile(tvm.IRModule({"main": m.decode_attention_func(
+                H_kv, H, D, dt, P, **kw)}), target=target)["main"]
+
+        decs = {k: decode_kernel(m) for k, m in versions.items()}
+        for B in batches:
+            for ctx in contexts:
                 npg = -(-ctx // P)
-                pages = t(cast(rng.standard_normal((B * npg + 1, 2, H_kv, P, D))))
+                nbytes = B * ctx * 2 * H_kv * D * (4 if dt == "float32" else 2)
+                # --cold: enough copies of the cache that each call reads K/V from memory
+                # (past a 32 MiB L3), as in a model step where the weights stream in between
+                copies = max(1, -(-COLD_BYTES // nbytes)) if args.cold else 1
+                pools = [t(cast(rng.standard_normal((B * npg + 1, 2, H_kv, P, D))))
+                         for _ in range(copies)]
                 indptr = t(np.arange(B + 1, dtype="int32") * npg)
                 values = t(rng.permutation(B * npg).astype("int32"))
                 last = t(np.full(B, (ctx - 1) % P + 1, "int32"))
@@ -100,12 +129,23 @@ def main() -> None:
                 q = t(cast(rng.standard_normal((B, H, D))))
                 out = t(cast(np.zeros((B, H, D))))
                 lse = t(np.zeros((B, H), "float32"))
-                nbytes = B * ctx * 2 * H_kv * D * (4 if dt == "float32" else 2)
-                for name, dec in decs.items():
-                    sec = timeit(dec, q, pages, indptr, values, last, zeros, pos, out, lse, 0,
-                                 1.0, 1e4, 0.125)
-                    print(f"{name}decode  batch {B} context {ctx:5d}: {sec * 1e6:8.1f} us  "
-                          f"{nbytes / sec / 1e9:6.1f} GB/s", flush=True)
+                per = {name: [] for name in decs}
+                inner = max(copies, 20)
+                for _ in range(args.rounds):  # versions interleaved round by round
+                    for name, dec in decs.items():
+                        dec(q, pools[0], indptr, values, last, zeros, pos, out, lse, 0, 1.0,
+                            1e4, 0.125)
+                        t0 = time.perf_counter()
+                        for i in range(inner):
+                            dec(q, pools[i % copies], indptr, values, last, zeros, pos, out,
+                                lse, 0, 1.0, 1e4, 0.125)
+                        per[name].append((time.perf_counter() - t0) / inner)
+                for name, secs in per.items():
+                    sec = statistics.median(secs)
+                    print(f"{name}decode  batch {B} context {ctx:5d}{' cold' if args.cold else ''}:"
+                          f" {sec * 1e6:8.1f} us  {nbytes / sec / 1e9:6.1f} GB/s  (median of "
+                          f"{args.rounds} rounds, min {min(secs) * 1e6:.1f} max "
+                          f"{max(secs) * 1e6:.1f} us)", flush=True)
     if args.only in (None, "prefill"):
         rags = {k: tvm.compile(tvm.IRModule({"main": m.prefill_ragged_attention_func(
             H_kv, H, D, dt)}), target=target)["main"] for k, m in versions.items()}

@@ -3,20 +3,20 @@ kernel and its ragged prefill kernel (attention among a prefill's new tokens).
 
 TVM's CPU kernel (`batch_decode_paged_kv_cpu`) runs every (sequence, head) on one thread with scalar loops and rescales the
 output after every single token: on llama-110m it took 1.6 ms of a 4 ms W4A8 decode step (12
-layers, ~190 cached tokens). This kernel keeps TVM's signature (the runtime's paged KV cache
-calls it unchanged) and:
+layers, ~190 cached tokens). The decode kernel here keeps TVM's signature (the runtime's paged
+KV cache calls it unchanged) and:
 
 * runs (sequence, KV head) pairs in parallel; the query heads sharing a KV head (GQA) are
   handled together, so each K/V page is read from memory once per group;
-* works a page at a time (the build's page size, 8 to 128 tokens): one dot product per token
-  as a single vector expression (16-lane products over the head dim, the lanes folded in
-  halves), one online-softmax rescale per page instead of per token, a full page's
-  exponentials as one vector of arithmetic (no libm call per key), then the weighted V rows
-  with each output slice kept in a register;
-* in decode with at most SPLIT_ITEMS / 2 (sequence, KV head) items (batch 1, few KV heads),
-  splits each sequence's keys into page-aligned chunks attended in parallel and merged by
-  their maxima, so that every thread has work (with more items a split would give each one
-  chunk: a second parallel pass and a workspace for nothing);
+* scores 16 keys at a time as one vector: each key's products over the head dim in 16-lane
+  FMAs, then the 16 keys' lanes summed by a merge tree of shuffles (15 two-shuffle merges for
+  16 keys, where a horizontal sum per key took 4 shuffle-and-adds each); one online-softmax
+  rescale and one vector of exponentials (no libm call per key) per block; each output row
+  rewritten once per block as a single expression (nothing accumulated through memory);
+* with fewer (sequence, KV head) items than the target's cores (batch 1, few KV heads, many
+  cores), splits each sequence's keys into page-aligned chunks attended in parallel and
+  merged by their maxima on the calling thread; with enough items (llama-110m's and
+  llama-1b's 4 KV heads on 2 cores) there is one parallel pass and no workspace;
 * requires the rotary embedding to be applied before the cache (our import uses
   RopeMode.NONE, see tvm_llm/frontend/relax_import.py); rotary_mode is ignored.
 
@@ -40,10 +40,6 @@ from tvm.script import tirx as T
 from .fast_math import fast_exp_expr
 
 PAGE_SIZES = (8, 16, 32, 64, 128)  # page sizes the kernels are built for (tokens per page)
-# decode with at most half this many (sequence, KV head) items splits each sequence's keys into
-# SPLIT_ITEMS // items chunks attended in parallel (so that every thread of a 16-core machine
-# has work at batch 1 with few KV heads), merged by their maxima
-SPLIT_ITEMS = 16
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -291,26 +287,165 @@ def _owns_sink(table, sliding: bool, n_keys, k_pos0, q_pos):
     return tirx.all(n_keys > 0, k_pos0 + n_keys - 1 == q_pos)
 
 
-def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
-                          page_size: int = 16, table: LayerTable | None = None,
-                          sliding: bool = False, vector: bool = True):
-    """`page_size`: tokens per KV page; the kernel is compiled for one (the cache's pages
-    buffer is matched with that extent, so another page size is a run-time shape error).
-    `table`: per-layer variants (a layer code in sm_scale). `sliding`: the kernel for the
-    cache's sliding-window page layout (`batch_decode_paged_kv_cpu_sliding_window`).
-    `vector=False`: no CPU vector expressions (a GPU build, see `for_gpu`)."""
-    if page_size not in PAGE_SIZES:
-        raise ValueError(f"page_size {page_size} is not one of {PAGE_SIZES}")
-    PAGE = page_size
-    H_kv, H_qo, D = num_kv_heads, num_qo_heads, head_dim
+TB_MAX = 16  # keys scored together in the CPU decode kernel: one float32x16 vector of scores
+
+
+def _vec_exp2_n(x, lanes: int):
+    """2^x of a float32 vector expression of `lanes` lanes (the fast exp)."""
+    return fast_exp_expr(x * tirx.Broadcast(tirx.const(LN2, "float32"), lanes),
+                         f"float32x{lanes}")
+
+
+def _fold(v, lanes: int, op):
+    """v's lanes combined with `op` (max or +) by halves: log2(lanes) shuffles, a scalar."""
+    n = lanes
+    while n > 1:
+        h = n // 2
+        v = op(tirx.Shuffle([v], [tirx.const(i, "int32") for i in range(h)]),
+               tirx.Shuffle([v], [tirx.const(i, "int32") for i in range(h, n)]))
+        n = h
+    return v
+
+
+def _transpose_sum(vecs, L: int):
+    """[v_0 .. v_{n-1}], each L lanes whose sum is key t's score, -> one n-lane vector of the
+    n sums in key order. Pairs are merged level by level: the two inputs' lanes of each key
+    halve (lane j added to lane j + run/2 of its run) and sit side by side, so n keys take
+    n - 1 merges of two shuffles and an add (n horizontal sums took n log2 L)."""
+    level = [(v, L, L) for v in vecs]  # (vector, lanes, lanes per key)
+    while len(level) > 1:
+        merged = []
+        for (a, n, run), (b, _, _) in zip(level[0::2], level[1::2]):
+            if run == 1:  # one lane per key already: concatenate
+                merged.append((tirx.Shuffle([a, b], [tirx.const(i, "int32")
+                                                     for i in range(2 * n)]), 2 * n, 1))
+                continue
+            lo = [j for j in range(n) if j % run < run // 2]
+            hi = [j for j in range(n) if j % run >= run // 2]
+            pick = (lambda idx: tirx.Shuffle([a, b], [tirx.const(i, "int32")
+                                                      for i in idx + [n + j for j in idx]]))
+            merged.append((pick(lo) + pick(hi), n, run // 2))
+        level = merged
+    v, n, run = level[0]
+    while run > 1:  # fewer keys than lanes: fold each key's remaining lanes
+        lo = [j for j in range(n) if j % run < run // 2]
+        hi = [j for j in range(n) if j % run >= run // 2]
+        v = (tirx.Shuffle([v], [tirx.const(i, "int32") for i in lo])
+             + tirx.Shuffle([v], [tirx.const(i, "int32") for i in hi]))
+        n, run = n // 2, run // 2
+    return v
+
+
+def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
+                        table: LayerTable | None, sliding: bool, threads: int):
+    """The CPU decode kernel (see `decode_attention_func`): keys in blocks of TB (16) with the
+    G query heads of a KV group together.
+
+    Per block and query head, the TB scores are one vector: each key's L-lane products over
+    the head dim (D / L vector FMAs) are summed across keys and lanes at once by
+    `_transpose_sum` (TB - 1 two-shuffle merges, against TB log2 L shuffles and adds for
+    TB separate horizontal sums); the block's maximum, exponentials (one vector) and sum
+    update the online softmax once; then each output row is rewritten as one expression,
+    o * rescale + sum_t p_t V_t over the block (two partial sums), so nothing accumulates
+    through memory (inside a whole model's module LLVM may not know the buffers apart).
+    Every block reads its key and value rows clamped into its valid keys [lo, hi) and masks
+    the scores and weights of the others (a partial last page, a chunk or window edge; never
+    reading a slot the cache has not written: its junk may be NaN). One code path for full and
+    partial blocks: as fast as a separate unmasked one (the clamps are scalar work beside the
+    vector work) and half the code to compile.
+
+    Parallel items are (sequence, KV head) pairs; with fewer than `threads` of them (batch 1,
+    few KV heads) each sequence's keys are split into ceil(threads / items) page-aligned
+    chunks, attended in parallel, and merged by their maxima afterwards on the calling thread
+    (a second parallel pass cost more than the merge: a fork and join)."""
     G = H_qo // H_kv
     L = _lanes(D)
-    start, block, finish = _online_softmax_macros(G, D, L, dtype, table, H_qo, vector)
-    over_pages = _over_pages_macro(block, PAGE, H_kv, D)
+    TB = min(PAGE, TB_MAX)
+    SUBS = PAGE // TB
+    NEG = -5e4  # a masked score (log2 domain): below any real one, exp2 of it is 0 in float32
+    capped = table is not None and table.has_softcap
+    start, _, finish = _online_softmax_macros(G, D, L, dtype, table, H_qo, True)
+    R = tirx.Ramp(0, 1, TB)
+    RD = tirx.Ramp(0, 1, D)
     symbol = "batch_decode_paged_kv_cpu" + ("_sliding_window" if sliding else "")
-    # CPU builds split the context when items are few (GPU: one item a thread); with more KV
-    # heads than SPLIT_ITEMS // 2 a batch never has that few items
-    split = vector and H_kv <= SPLIT_ITEMS // 2
+    split = threads > H_kv
+
+    # the group's heads unrolled when few (G <= 4: 8% faster than a loop at llama-110m's 3);
+    # a loop for more (llama-1b's 8: the unrolled kernel compiled in 3.3 s CPU, the loop 1.2)
+    heads = T.unroll if G <= 4 else T.serial
+
+    def n_chunks(batch):  # chunks per (sequence, KV head) item when they are split
+        return T.ceildiv(threads, batch * H_kv)
+
+    def bcast(x, n=TB):
+        return tirx.Broadcast(x, n)
+
+    def row(base, t, lo, hi):
+        """Flat offset of key t of the block at `base`, clamped into the valid keys [lo, hi)."""
+        return base + T.min(T.max(t, lo), hi - 1) * D
+
+    def scores(q, g, flat, kb, lo, hi):
+        """The block's TB scores of query head g, one TB-lane vector."""
+        vecs = []
+        for t in range(TB):
+            r = row(kb, t, lo, hi)
+            acc = None
+            for d0 in range(D // L):
+                k = flat.vload([r + d0 * L], f"{dtype}x{L}")
+                if dtype != "float32":
+                    k = tirx.Cast(f"float32x{L}", k)
+                term = q.vload([g, d0 * L], f"float32x{L}") * k
+                acc = term if acc is None else acc + term
+            vecs.append(acc)
+        return _transpose_sum(vecs, L)
+
+    def values(o, sp, g, flat, vb, lo, hi, rescale):
+        """o[g] * rescale + sum_t p_t V_t over the block, as one D-lane expression."""
+        parts = [o.vload([g, 0], f"float32x{D}") * bcast(rescale, D), None]
+        for t in range(TB):
+            v = flat.vload([row(vb, t, lo, hi)], f"{dtype}x{D}")
+            if dtype != "float32":
+                v = tirx.Cast(f"float32x{D}", v)
+            term = bcast(sp[g, t], D) * v
+            parts[t % 2] = term if parts[t % 2] is None else parts[t % 2] + term
+        return parts[0] + parts[1]
+
+    @T.macro
+    def block(q, o, m, den, sp, st, flat, kb, vb, lo, hi, sm_scale):
+        """Keys [lo, hi) of the TB-key block whose first key row is at kb (values at vb)."""
+        inside = tirx.all(R >= bcast(lo), R < bcast(hi))
+        for g in heads(G):
+            sp[g, R] = scores(q, g, flat, kb, lo, hi)
+            if capped:
+                sp[g, R] = T.Select(bcast(_cap2(table, sm_scale) > T.float32(0)),
+                                    bcast(_cap2(table, sm_scale)) * T.tanh(
+                                        sp[g, R] / bcast(T.max(_cap2(table, sm_scale),
+                                                               T.float32(1e-30)))),
+                                    sp[g, R])
+            sp[g, R] = T.Select(inside, sp[g, R], bcast(T.float32(NEG)))
+            st[0] = T.max(m[g], _fold(sp[g, R], TB, T.max))  # the new maximum
+            st[1] = _exp2(m[g] - st[0])  # the rescale of what was summed so far
+            sp[g, R] = T.Select(inside, _vec_exp2_n(sp[g, R] - bcast(st[0]), TB),
+                                bcast(T.float32(0)))
+            den[g] = den[g] * st[1] + _fold(sp[g, R], TB, lambda a, b: a + b)
+            m[g] = st[0]
+            o[g, RD] = values(o, sp, g, flat, vb, lo, hi, st[1])
+
+    @T.macro
+    def over_pages(q, o, m, den, sp, st, flat, page_values, begin, offset, t_lo, t_hi, hk,
+                   sm_scale):
+        """Keys [t_lo, t_hi) of a sequence (logical key t at physical slot t + offset)."""
+        if t_hi > t_lo:
+            for p in T.serial((t_lo + offset) // PAGE, T.ceildiv(t_hi + offset, PAGE)):
+                page = page_values[begin + p]
+                lo = T.max(t_lo + offset - p * PAGE, 0)
+                hi = T.min(t_hi + offset - p * PAGE, PAGE)
+                for sub in range(SUBS):
+                    kb = (((page * 2 + 0) * H_kv + hk) * PAGE + sub * TB) * D
+                    vb = (((page * 2 + 1) * H_kv + hk) * PAGE + sub * TB) * D
+                    if hi > sub * TB and lo < sub * TB + TB:
+                        block(q, o, m, den, sp, st, flat, kb, vb, T.max(lo - sub * TB, 0),
+                              T.min(hi - sub * TB, TB), sm_scale)
 
     @T.prim_func(check_well_formed=False)
     def decode_attention(Q_handle: T.handle, pages_handle: T.handle,
@@ -345,65 +480,62 @@ def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, d
                                      elem_offset=length_info_elem_offset)
         flat = T.decl_buffer((max_num_pages * 2 * H_kv * PAGE * D,), dtype, data=pages.data)
 
-        # enough (sequence, KV head) items, or so many that a split would make one chunk each
-        # (an extra parallel pass and a workspace for nothing)
-        if not split or B * H_kv > SPLIT_ITEMS // 2:
+        # every thread has a (sequence, KV head) item (always with threads <= H_kv): no split
+        if not split or B * H_kv >= threads:
             for bh in T.parallel(B * H_kv):
                 q = T.alloc_buffer((G, D), "float32", scope="local")
                 o = T.alloc_buffer((G, D), "float32", scope="local")
                 m = T.alloc_buffer((G,), "float32", scope="local")
                 den = T.alloc_buffer((G,), "float32", scope="local")
-                s = T.alloc_buffer((PAGE,), "float32", scope="local")
-                part = T.alloc_buffer((L,), "float32", scope="local")
+                sp = T.alloc_buffer((G, TB), "float32", scope="local")
+                st = T.alloc_buffer((2,), "float32", scope="local")
                 mx = T.alloc_buffer((1,), "float32", scope="local")
                 b = bh // H_kv
                 hk = bh % H_kv
                 start(q, o, m, den, Q, b, hk * G, sm_scale)
                 begin = page_table_indptr[b]
                 npages = page_table_indptr[b + 1] - begin
-                last = _last_page_len(length_info, b, sliding)
                 offset = _window_offset(length_info, b, npages, sliding)
-                n_keys = T.Select(npages > 0, (npages - 1) * PAGE + last - offset, 0)
+                n_keys = T.Select(npages > 0, (npages - 1) * PAGE
+                                  + _last_page_len(length_info, b, sliding) - offset, 0)
                 t_lo = _window_start(_window(table, sm_scale), q_rope_position[b],
                                      k_rope_pos_offset[b])
-                over_pages(q, o, m, den, s, part, mx, flat, page_table_values, begin, npages,
-                           last, offset, t_lo, n_keys, hk, sm_scale)
+                over_pages(q, o, m, den, sp, st, flat, page_table_values, begin, offset, t_lo,
+                           n_keys, hk, sm_scale)
                 finish(o, m, den, mx, output, lse, b, hk * G,
                        _owns_sink(table, sliding, n_keys, k_rope_pos_offset[b],
                                   q_rope_position[b]), sm_scale)
         else:
-            # few items (batch 1, few KV heads): each sequence's keys split into
-            # SPLIT_ITEMS // items page-aligned chunks attended in parallel, then merged
-            state = T.alloc_buffer((B * H_kv * (SPLIT_ITEMS // (B * H_kv)), G, D + 2), "float32")
-            for item in T.parallel(B * H_kv * (SPLIT_ITEMS // (B * H_kv))):
+            # few items: each sequence's keys in C page-aligned chunks attended in parallel
+            state = T.alloc_buffer((B * H_kv * n_chunks(B), G, D + 2), "float32")
+            for item in T.parallel(B * H_kv * n_chunks(B)):
                 q = T.alloc_buffer((G, D), "float32", scope="local")
                 o = T.alloc_buffer((G, D), "float32", scope="local")
                 m = T.alloc_buffer((G,), "float32", scope="local")
                 den = T.alloc_buffer((G,), "float32", scope="local")
-                s = T.alloc_buffer((PAGE,), "float32", scope="local")
-                part = T.alloc_buffer((L,), "float32", scope="local")
-                mx = T.alloc_buffer((1,), "float32", scope="local")
-                bh = item // (SPLIT_ITEMS // (B * H_kv))
-                c = item % (SPLIT_ITEMS // (B * H_kv))
+                sp = T.alloc_buffer((G, TB), "float32", scope="local")
+                st = T.alloc_buffer((2,), "float32", scope="local")
+                bh = item // n_chunks(B)
+                c = item % n_chunks(B)
                 b = bh // H_kv
                 hk = bh % H_kv
                 start(q, o, m, den, Q, b, hk * G, sm_scale)
                 begin = page_table_indptr[b]
                 npages = page_table_indptr[b + 1] - begin
-                last = _last_page_len(length_info, b, sliding)
                 offset = _window_offset(length_info, b, npages, sliding)
-                n_keys = T.Select(npages > 0, (npages - 1) * PAGE + last - offset, 0)
-                chunk = T.ceildiv(n_keys, (SPLIT_ITEMS // (B * H_kv)) * PAGE) * PAGE
+                n_keys = T.Select(npages > 0, (npages - 1) * PAGE
+                                  + _last_page_len(length_info, b, sliding) - offset, 0)
+                chunk = T.ceildiv(n_keys, n_chunks(B) * PAGE) * PAGE
                 t_lo = T.max(_window_start(_window(table, sm_scale), q_rope_position[b],
                                            k_rope_pos_offset[b]), c * chunk)
-                over_pages(q, o, m, den, s, part, mx, flat, page_table_values, begin, npages,
-                           last, offset, t_lo, T.min(n_keys, c * chunk + chunk), hk, sm_scale)
+                over_pages(q, o, m, den, sp, st, flat, page_table_values, begin, offset, t_lo,
+                           T.min(n_keys, c * chunk + chunk), hk, sm_scale)
                 for g in range(G):
                     for d in T.vectorized(D):
                         state[item, g, d] = o[g, d]
                     state[item, g, D] = m[g]
                     state[item, g, D + 1] = den[g]
-            for bh in T.parallel(B * H_kv):
+            for bh in range(B * H_kv):  # the merge, on the calling thread (no second fork)
                 o = T.alloc_buffer((G, D), "float32", scope="local")
                 m = T.alloc_buffer((G,), "float32", scope="local")
                 den = T.alloc_buffer((G,), "float32", scope="local")
@@ -411,17 +543,17 @@ def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, d
                 b = bh // H_kv
                 hk = bh % H_kv
                 for g in range(G):
-                    m[g] = T.float32(-5e4)
-                    for c in range(SPLIT_ITEMS // (B * H_kv)):
-                        m[g] = T.max(m[g], state[bh * (SPLIT_ITEMS // (B * H_kv)) + c, g, D])
+                    m[g] = T.float32(NEG)
+                    for c in range(n_chunks(B)):
+                        m[g] = T.max(m[g], state[bh * n_chunks(B) + c, g, D])
                     den[g] = T.float32(0)
                     for d in T.vectorized(D):
                         o[g, d] = T.float32(0)
-                    for c in range(SPLIT_ITEMS // (B * H_kv)):
-                        w = _exp2(state[bh * (SPLIT_ITEMS // (B * H_kv)) + c, g, D] - m[g])
-                        den[g] = den[g] + w * state[bh * (SPLIT_ITEMS // (B * H_kv)) + c, g, D + 1]
+                    for c in range(n_chunks(B)):
+                        mx[0] = _exp2(state[bh * n_chunks(B) + c, g, D] - m[g])
+                        den[g] = den[g] + mx[0] * state[bh * n_chunks(B) + c, g, D + 1]
                         for d in T.vectorized(D):
-                            o[g, d] = o[g, d] + w * state[bh * (SPLIT_ITEMS // (B * H_kv)) + c, g, d]
+                            o[g, d] = o[g, d] + mx[0] * state[bh * n_chunks(B) + c, g, d]
                 npages = page_table_indptr[b + 1] - page_table_indptr[b]
                 n_keys = T.Select(npages > 0, (npages - 1) * PAGE
                                   + _last_page_len(length_info, b, sliding)
@@ -429,6 +561,88 @@ def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, d
                 finish(o, m, den, mx, output, lse, b, hk * G,
                        _owns_sink(table, sliding, n_keys, k_rope_pos_offset[b],
                                   q_rope_position[b]), sm_scale)
+
+    return decode_attention
+
+
+def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
+                          page_size: int = 16, table: LayerTable | None = None,
+                          sliding: bool = False, vector: bool = True, threads: int = 16):
+    """`page_size`: tokens per KV page; the kernel is compiled for one (the cache's pages
+    buffer is matched with that extent, so another page size is a run-time shape error).
+    `table`: per-layer variants (a layer code in sm_scale). `sliding`: the kernel for the
+    cache's sliding-window page layout (`batch_decode_paged_kv_cpu_sliding_window`).
+    `vector=False`: no CPU vector expressions (a GPU build, see `for_gpu`): one item a thread,
+    the per-token loop below. `threads`: the cores the CPU kernel is built for (the target's
+    num-cores); with fewer (sequence, KV head) items than that, keys are split over threads."""
+    if page_size not in PAGE_SIZES:
+        raise ValueError(f"page_size {page_size} is not one of {PAGE_SIZES}")
+    PAGE = page_size
+    H_kv, H_qo, D = num_kv_heads, num_qo_heads, head_dim
+    if vector:
+        return _vector_decode_func(H_kv, H_qo, D, dtype, PAGE, table, sliding, threads)
+    G = H_qo // H_kv
+    L = _lanes(D)
+    start, block, finish = _online_softmax_macros(G, D, L, dtype, table, H_qo, vector)
+    over_pages = _over_pages_macro(block, PAGE, H_kv, D)
+    symbol = "batch_decode_paged_kv_cpu" + ("_sliding_window" if sliding else "")
+
+    @T.prim_func(check_well_formed=False)
+    def decode_attention(Q_handle: T.handle, pages_handle: T.handle,
+                         page_table_indptr_handle: T.handle, page_table_values_handle: T.handle,
+                         var_length_info: T.handle, k_rope_pos_offset_handle: T.handle,
+                         q_rope_position_handle: T.handle, output_handle: T.handle,
+                         lse_handle: T.handle, rotary_mode: T.int32, rope_scale: T.float32,
+                         rope_theta: T.float32, sm_scale: T.float32):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True,
+                     "global_symbol": symbol})  # replaces TVM's
+        B = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        length_info_elem_offset = T.int32()
+        Q = T.match_buffer(Q_handle, (B, H_qo, D), dtype)
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, H_kv, PAGE, D), dtype)
+        page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32",
+                                           elem_offset=page_indptr_elem_offset)
+        page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32",
+                                           elem_offset=page_values_elem_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32",
+                                           elem_offset=k_rope_pos_offset_elem_offset)
+        q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32",
+                                         elem_offset=q_rope_position_elem_offset)
+        output = T.match_buffer(output_handle, (B, H_qo, D), dtype)
+        lse = T.match_buffer(lse_handle, (B, H_qo), "float32")
+        length_info = T.match_buffer(var_length_info, _length_shape(B, sliding), "int32",
+                                     elem_offset=length_info_elem_offset)
+        flat = T.decl_buffer((max_num_pages * 2 * H_kv * PAGE * D,), dtype, data=pages.data)
+
+        for bh in T.parallel(B * H_kv):  # one item a GPU thread (see for_gpu)
+            q = T.alloc_buffer((G, D), "float32", scope="local")
+            o = T.alloc_buffer((G, D), "float32", scope="local")
+            m = T.alloc_buffer((G,), "float32", scope="local")
+            den = T.alloc_buffer((G,), "float32", scope="local")
+            s = T.alloc_buffer((PAGE,), "float32", scope="local")
+            part = T.alloc_buffer((L,), "float32", scope="local")
+            mx = T.alloc_buffer((1,), "float32", scope="local")
+            b = bh // H_kv
+            hk = bh % H_kv
+            start(q, o, m, den, Q, b, hk * G, sm_scale)
+            begin = page_table_indptr[b]
+            npages = page_table_indptr[b + 1] - begin
+            last = _last_page_len(length_info, b, sliding)
+            offset = _window_offset(length_info, b, npages, sliding)
+            n_keys = T.Select(npages > 0, (npages - 1) * PAGE + last - offset, 0)
+            t_lo = _window_start(_window(table, sm_scale), q_rope_position[b],
+                                 k_rope_pos_offset[b])
+            over_pages(q, o, m, den, s, part, mx, flat, page_table_values, begin, npages,
+                       last, offset, t_lo, n_keys, hk, sm_scale)
+            finish(o, m, den, mx, output, lse, b, hk * G,
+                   _owns_sink(table, sliding, n_keys, k_rope_pos_offset[b],
+                              q_rope_position[b]), sm_scale)
 
     return decode_attention
 

@@ -100,36 +100,56 @@ def test_ragged_prefill_matches_numpy(kernels):
     np.testing.assert_allclose(out_t.numpy(), want, rtol=1e-5, atol=2e-6)
 
 
-def test_decode_with_many_kv_heads_matches_numpy():
-    """More KV heads than SPLIT_ITEMS // 2 (12, MHA): the kernel is built without the split
-    path (a batch never has so few items that a split gives a chunk more than one), batch 1."""
+def _paged_case(h_kv, h_qo, d, page, lengths, seed):
+    """Sequences of `lengths` cached tokens in shuffled pages whose unwritten slots hold NaN
+    (a kernel that reads one, or weights one by 0, returns NaN); -> (kernel args, want), the
+    want from a float64 softmax attention."""
+    rng = np.random.default_rng(seed)
+    n_pages = sum(-(-n // page) for n in lengths) + 2
+    pages = np.full((n_pages, 2, h_kv, page, d), np.nan, "float32")
+    free = list(rng.permutation(n_pages))
+    indptr, values, last, want = [0], [], [], []
+    q = rng.standard_normal((len(lengths), h_qo, d)).astype("float32")
+    for b, n in enumerate(lengths):
+        k, v = (rng.standard_normal((n, h_kv, d)).astype("float32") for _ in range(2))
+        ids = [int(free.pop()) for _ in range(-(-n // page))]
+        for t in range(n):
+            pages[ids[t // page], 0, :, t % page] = k[t]
+            pages[ids[t // page], 1, :, t % page] = v[t]
+        values += ids
+        indptr.append(len(values))
+        last.append((n - 1) % page + 1)
+        want.append(_attend(q[b], k, v))
+    B = len(lengths)
+    args = [_t(q), _t(pages), _t(np.array(indptr, "int32")), _t(np.array(values, "int32")),
+            _t(np.array(last, "int32")), _t(np.zeros(B, "int32")),
+            _t(np.array(lengths, "int32") - 1), _t(np.zeros((B, h_qo, d), "float32")),
+            _t(np.zeros((B, h_qo), "float32")), 0, 1.0, 1e4, SCALE]
+    return args, np.stack(want)
+
+
+@pytest.mark.parametrize("h_kv,h_qo,d,page,threads,lengths", [
+    (4, 12, 64, 16, 2, (129,)),      # llama-110m's groups of 3, 4 items on 2 cores: no split
+    (2, 6, 32, 16, 16, (77, 5)),     # groups of 3 split over 16 cores: chunks end mid-page
+    (4, 32, 64, 32, 2, (200,)),      # llama-1b's groups of 8, 32-token pages (two 16-key blocks)
+    (12, 12, 32, 8, 2, (40, 1)),     # MHA, 8-token pages (8-key blocks), a 1-token sequence
+    (1, 2, 24, 16, 4, (21,)),        # 8-lane products (head dim 24), MQA split over 4 cores
+])
+def test_decode_blocks_split_and_gqa_match_float64(h_kv, h_qo, d, page, threads, lengths):
+    """The decode kernel's 16-key blocks (scores summed by the shuffle merge tree), partial
+    last blocks (clamped rows, masked), GQA groups, and the context split merged on the
+    calling thread, against a float64 attention at float32 tolerance."""
     import tvm
 
-    from schedules.cpu.attention import SPLIT_ITEMS, decode_attention_func
+    from schedules.cpu.attention import decode_attention_func
     from tvm_llm.targets.llvm import LLVMTarget
 
-    h, d, n = 12, 32, 40
-    assert h > SPLIT_ITEMS // 2
-    func = tvm.compile(tvm.IRModule({"main": decode_attention_func(h, h, d, "float32", PAGE)}),
-                       target=LLVMTarget().tvm_target())["main"]
-    rng = np.random.default_rng(3)
-    pages = rng.standard_normal((4, 2, h, PAGE, d)).astype("float32")
-    ids = [2, 0, 3]
-    k, v = (rng.standard_normal((n, h, d)).astype("float32") for _ in range(2))
-    for t in range(n):
-        pages[ids[t // PAGE], 0, :, t % PAGE] = k[t]
-        pages[ids[t // PAGE], 1, :, t % PAGE] = v[t]
-    q = rng.standard_normal((1, h, d)).astype("float32")
-    want = np.empty_like(q[0])
-    for i in range(h):
-        s = k[:, i] @ q[0, i] * SCALE
-        p = np.exp(s - s.max())
-        want[i] = p @ v[:, i] / p.sum()
-    out_t, lse_t = _t(np.zeros((1, h, d), "float32")), _t(np.zeros((1, h), "float32"))
-    func(_t(q), _t(pages), _t(np.array([0, 3], "int32")), _t(np.array(ids, "int32")),
-         _t(np.array([(n - 1) % PAGE + 1], "int32")), _t(np.zeros(1, "int32")),
-         _t(np.array([n - 1], "int32")), out_t, lse_t, 0, 1.0, 1e4, SCALE)
-    np.testing.assert_allclose(out_t.numpy()[0], want, rtol=1e-4, atol=1e-5)
+    func = tvm.compile(tvm.IRModule({"main": decode_attention_func(
+        h_kv, h_qo, d, "float32", page, threads=threads)}),
+        target=LLVMTarget().tvm_target())["main"]
+    args, want = _paged_case(h_kv, h_qo, d, page, lengths, seed=sum(lengths) + threads)
+    func(*args)
+    np.testing.assert_allclose(args[7].numpy(), want, rtol=1e-5, atol=2e-6)
 
 
 @pytest.fixture(scope="module")

@@ -37,10 +37,13 @@ TVM_KERNELS_WITHOUT_NOALIAS = ("batch_tree_attn", "tree_attn_paged_kv_cpu",
                                "compact_kv_copy_cpu")
 
 
-def cpu_cache_kernels(kv_mod, attn, dtype: str, page_size: int) -> dict:
+def cpu_cache_kernels(kv_mod, attn, dtype: str, page_size: int, threads: int = 16) -> dict:
     """CPU: decode, ragged and paged prefill and the sliding-window page layout's kernels
     (ours, honouring the layer table), MLA's latent decode, TVM's own page kernels (append,
-    compaction) rebuilt for `page_size`-token pages, and a bfloat16 fix for the q/k/v split."""
+    compaction) rebuilt for `page_size`-token pages, and a bfloat16 fix for the q/k/v split.
+    `threads`: the target's cores; the decode kernel splits a sequence's keys over threads
+    only when there are fewer (sequence, KV head) items than that (on 2 cores, llama-110m's
+    4 KV heads are never split: a split's second pass and workspace cost more than they gave)."""
     from schedules.cpu.attention import (decode_attention_func, prefill_paged_attention_func,
                                          prefill_ragged_attention_func)
 
@@ -48,14 +51,18 @@ def cpu_cache_kernels(kv_mod, attn, dtype: str, page_size: int) -> dict:
     table = layer_table(attn)
     kernels = {
         "batch_decode_paged_kv_cpu": decode_attention_func(*shape, page_size=page_size,
-                                                           table=table),
+                                                           table=table, threads=threads),
         "batch_prefill_ragged_kv": prefill_ragged_attention_func(*shape, table=table),
         "batch_prefill_paged_kv_cpu": prefill_paged_attention_func(
             *shape, page_size=page_size, table=table),
         "batch_prefill_paged_kv_cpu_sliding_window": prefill_paged_attention_func(
             *shape, page_size=page_size, table=table, sliding=True),
+        # the sliding-window layout's decode runs only in a model whose layers all slide (the
+        # runtime enables the layout from the manifest's window): elsewhere the compact
+        # per-token form stands in, never called (the vector kernel costs ~2 s of codegen)
         "batch_decode_paged_kv_cpu_sliding_window": decode_attention_func(
-            *shape, page_size=page_size, table=table, sliding=True),
+            *shape, page_size=page_size, table=table, sliding=True, threads=threads,
+            vector=attn.sliding_window > 0),
     }
     if attn.latent:  # MLA: heads split over threads, values read from the K plane
         from schedules.cpu.mla_attention import latent_decode_attention_func

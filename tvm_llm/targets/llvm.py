@@ -178,9 +178,12 @@ class LLVMTarget(TargetSpec):
     def cache_kernels(self, kv_mod, attn, dtype: str, page_size: int) -> dict:
         """Our CPU attention kernels for any page size (TVM's are scalar and serial), see
         targets/attention.py."""
+        from schedules.cpu.common import num_cores
+
         from .attention import cpu_cache_kernels
 
-        return cpu_cache_kernels(kv_mod, attn, dtype, page_size)
+        return cpu_cache_kernels(kv_mod, attn, dtype, page_size,
+                                 threads=num_cores(self.tvm_target()))
 
     def rule_grid(self, mod, only: str | None = None) -> list:
         from schedules.cpu.tile_grid import grid_schedules

@@ -543,18 +543,22 @@ def calibrate_for_build(model, model_dir: str, quant, text_path: str | None = No
     log(f"[tvm-llm] calibrating on {sum(len(w) - 1 for w in wins)} tokens of "
         f"{text_path or 'the bundled calibration text'} ({', '.join(methods) or 'mix only'})")
     calib = collect(model, wins, gradients=need_grads)
+    stages = {"forward + backward" if need_grads else "forward": round(time.perf_counter() - t0, 1)}
     report = {"text": os.path.abspath(text_path or DEFAULT_CALIBRATION), "tokens": calib.tokens,
               "methods": list(methods)}
     quantizer_for, quantize_input = _scheme_quantizers(quant) if legacy else _plan_quantizers(quant)
     activations = quant.activations
     if "awq" in methods:
+        t1 = time.perf_counter()
         scales = apply_awq(model, calib, quantizer_for, quantize_input, activations)
+        stages["awq scale search"] = round(time.perf_counter() - t1, 1)
         report["awq"] = summarize(scales)
         log(f"[tvm-llm] activation-aware scaling: {report['awq']}")
     if legacy:  # one format everywhere: no importance, no mix
         if bits_per_weight is not None:
             log("[tvm-llm] the automatic mix needs per-weight formats (a QuantPlan); not applied")
         report["seconds"] = round(time.perf_counter() - t0, 1)
+        report["stage_seconds"] = stages
         return quant, report
     from . import mix
 
@@ -565,7 +569,9 @@ def calibrate_for_build(model, model_dir: str, quant, text_path: str | None = No
     formats = dict(quant.formats)
     if bits_per_weight is not None:
         candidates = [quant.default_format] + [f for f in MIX_CANDIDATES if f != quant.default_format]
+        t1 = time.perf_counter()
         units = fisher_units(model, calib, candidates, importance or None)
+        stages["mix (Fisher estimate)"] = round(time.perf_counter() - t1, 1)
         choice = mix.choose(units, candidates, bits_per_weight, count, quant.activations)
         formats.update(mix.to_formats(units, choice))
         _alias_head(model, formats)
@@ -575,6 +581,8 @@ def calibrate_for_build(model, model_dir: str, quant, text_path: str | None = No
         report["budget"] = {"bits_per_weight": bits_per_weight, "count": count}
         log(f"[tvm-llm] {report['mix']}")
     report["seconds"] = round(time.perf_counter() - t0, 1)
+    report["stage_seconds"] = stages
+    log("[tvm-llm] calibration stages (wall s): " + ", ".join(f"{k} {v}" for k, v in stages.items()))
     return replace(quant, formats=formats, importance=importance), report
 
 

@@ -41,25 +41,38 @@ def test_body_count_leaves_the_head_out_of_the_budget():
         sum(u.size * format_bits(choice[u.label]) for u in body) / sum(u.size for u in body))
 
 
-def test_fisher_estimate_ranks_units_like_measured_loss():
+@pytest.fixture(scope="module")
+def calibrated():
+    """The bundled trained model, its tied head untied (the build quantizes a copy), and a
+    calibration with gradients over 4 windows of 128 tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from tvm_llm.cli import DEFAULT_MODEL_DIR
+    from tvm_llm.quantization import calibration as C
+    from tvm_llm.quantization.simulation import untie_head
+
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, attn_implementation="eager").eval()
+    untie_head(model)
+    calib = C.collect(model, C.token_windows(DEFAULT_MODEL_DIR, C.read_calibration(None), 128, 4),
+                      gradients=True)
+    return model, calib
+
+
+def test_fisher_estimate_ranks_units_like_measured_loss(calibrated):
     """On the bundled trained model: quantizing one unit alone to q4_0 in transformers, the
     calibration-time Fisher estimate and the measured loss increase on held-out text agree on
     the most sensitive unit (the tied LM head here, by far), and rank the rest alike (positive
     rank correlation; most single units move the held-out loss by about its noise)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from tvm_llm.cli import DEFAULT_MODEL_DIR
     from tvm_llm.perplexity import read_text
     from tvm_llm.quantization import calibration as C
     from tvm_llm.quantization.plan import QuantPlan
     from tvm_llm.quantization.calibration import fisher_units
-    from tvm_llm.quantization.simulation import SimulatedPlan, untie_head
+    from tvm_llm.quantization.simulation import SimulatedPlan
 
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, attn_implementation="eager").eval()
-    untie_head(model)  # the build quantizes a copy of the tied head
-    calib = C.collect(model, C.token_windows(DEFAULT_MODEL_DIR, C.read_calibration(None), 128, 4),
-                      gradients=True)
+    model, calib = calibrated
     units = fisher_units(model, calib, ["q4_0", "q8_0"])
     assert len(units) == 17  # 4 x (qkv, o, gate|up, down) + lm_head
     assert all(u.errors["q8_0"] < u.errors["q4_0"] for u in units)
@@ -82,3 +95,27 @@ def test_fisher_estimate_ranks_units_like_measured_loss():
     meas = np.array([measured[u.label] for u in units])
     rank = np.corrcoef(np.argsort(np.argsort(est)), np.argsort(np.argsort(meas)))[0, 1]
     assert rank > 0.2, (rank, measured)
+
+
+def test_fisher_estimate_on_drawn_rows_matches_all_rows(calibrated, monkeypatch):
+    """The mix's Fisher estimate rounds FISHER_ROWS rows per unit drawn in proportion to their
+    squared gradient (calibration._fisher_rows): on the bundled model every unit with more
+    rows than that (q|k|v, gate|up, the LM head, whose gradient sits on the few vocabulary
+    rows of the calibration text) gets within 5% of the estimate over all rows, the others
+    exactly it."""
+    from tvm_llm.quantization import calibration as C
+
+    model, calib = calibrated
+    drawn = C.fisher_units(model, calib, ["q4_k", "q8_0"])
+    assert C.FISHER_ROWS == 256
+    monkeypatch.setattr(C, "FISHER_ROWS", None)
+    every = C.fisher_units(model, calib, ["q4_k", "q8_0"])
+    assert [u.label for u in drawn] == [u.label for u in every]
+    assert {u.label for u in every if u.shape[0] > 256} >= {"lm_head"}
+    for a, b in zip(drawn, every):
+        assert a.shape == b.shape
+        for fmt in ("q4_k", "q8_0"):
+            if b.shape[0] <= 256:
+                assert a.errors[fmt] == pytest.approx(b.errors[fmt], rel=1e-9), a.label
+            else:
+                assert a.errors[fmt] == pytest.approx(b.errors[fmt], rel=0.05), a.label

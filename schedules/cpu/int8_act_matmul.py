@@ -272,8 +272,6 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
             for nt in T.parallel(NT):
                 y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
                 for u in range(NG // U):
-                    for j in T.unroll(U):
-                        prefetch(wp, nt, u * U + j)
                     y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] \
                         + block_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u)
         elif A * B == 1:
@@ -281,8 +279,6 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
                 fsum = T.alloc_buffer((1, TILE_N), "float32", scope="local")
                 fsum[0, T.Ramp(0, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
                 for u in range(NG // U):
-                    for j in T.unroll(U):
-                        prefetch(wp, nt, u * U + j)
                     fsum[0, T.Ramp(0, 1, TILE_N)] = fsum[0, T.Ramp(0, 1, TILE_N)] \
                         + block_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u)
                 y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = T.Cast(out_dtype + "x16", fsum[0, T.Ramp(0, 1, TILE_N)])

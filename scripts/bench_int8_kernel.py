@@ -111,22 +111,28 @@ def reference_sum(nbytes: int, copies: int):
     return lambda i: bufs[i % copies].sum(), n * 4
 
 
-def weight_set(arrays, dev) -> list:
-    """Device tensors of `arrays`: by default in one huge-page arena as the engine holds
-    weights (runtime/engine.py _huge_page_arena: on 4 KiB pages a streamed weight pays a TLB
-    miss and a prefetcher stop every 4 KiB), with --small-pages ordinary allocations."""
+def weight_sets(arrays, dev, copies: int) -> list:
+    """`copies` sets of device tensors of `arrays`: by default all in one huge-page arena, as
+    the engine holds its weights (runtime/engine.py _huge_page_arena; an arena per copy of a
+    few MB would get at most one aligned 2 MiB huge page, the rest 4 KiB pages: on those a
+    streamed weight pays a TLB miss and a prefetcher stop every 4 KiB); with --small-pages
+    ordinary allocations."""
     from tvm_llm.runtime.engine import _huge_page_arena
 
     offsets = np.cumsum([0] + [-(-a.nbytes // 4096) * 4096 for a in arrays])
-    arena = None if ARGS.small_pages else _huge_page_arena(int(offsets[-1]))
+    stride = int(offsets[-1])
+    arena = None if ARGS.small_pages else _huge_page_arena(stride * copies)
     if arena is None:
-        return [tvm.runtime.tensor(a.copy(), dev) for a in arrays]
-    out = []
-    for a, off in zip(arrays, offsets):
-        region = arena[off: off + a.nbytes]
-        region[...] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        out.append(tvm.runtime.from_dlpack(region)._create_view(a.shape, str(a.dtype)))
-    return out
+        return [[tvm.runtime.tensor(a.copy(), dev) for a in arrays] for _ in range(copies)]
+    sets = []
+    for c in range(copies):
+        out = []
+        for a, off in zip(arrays, offsets):
+            region = arena[c * stride + off: c * stride + off + a.nbytes]
+            region[...] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            out.append(tvm.runtime.from_dlpack(region)._create_view(a.shape, str(a.dtype)))
+        sets.append(out)
+    return sets
 
 
 def compiled_from(path: str, fmt: str, K: int, N: int):
@@ -228,7 +234,7 @@ def main():
             arrays = stored_np(w, fmt, "vnni")
             nbytes = sum(a.nbytes for a in arrays)
             copies = max(1, int(ARGS.rotate_mb * 2**20 // nbytes) + 1) if ARGS.cold else 1
-            sets = [weight_set(arrays, dev) for _ in range(copies)]
+            sets = weight_sets(arrays, dev, copies)
             ref, ref_bytes = (None, 0) if ARGS.no_reference else reference_sum(nbytes, copies)
             fs = [compiled(fmt, K, N)] + ([compiled_from(ARGS.against, fmt, K, N)] if ARGS.against else [])
             wd = fake_quantize(w, fmt)

@@ -49,22 +49,36 @@ shared, so wall times were 2-5x the CPU times and only CPU times compare): the i
 super-block is loads, nibble masks, 64 vpdpbusd and the float epilogue with no stores but one
 per block; with hot weights one core runs ~1.4 G vpdpbusd/s (q4_k llama-110m gate_up 35 us per
 call, the same per row in prefill: the VNNI issue rate is the compute bound), with cold weights
-~20 GB/s per core (1 thread), ~35-40 GB/s of CPU time with 2 threads. Prefetch distances of 0,
-4, 8, 16, 32 KiB and locality hints t0/t1/nta, and 2 or 4 partial dot-product chains per group,
-changed no time beyond noise (+-3%), so the prefetch stays at 8 KiB (the batched path needs it).
+~20 GB/s per core (1 thread), ~35-40 GB/s of CPU time with 2 threads.
+
+No software prefetch. The VM's memory bandwidth drifts 2x within a minute, so only A/B runs
+interleaved round by round in one process count (scripts/bench_int8_kernel.py --against, its
+`share` column against a torch sum of the same bytes timed in the same rounds), with the weights
+on transparent huge pages as the engine holds them. Measured so (the lead, quiet machine, 2
+threads, llama-1b gate_up 2048 -> 11264, cold): q4_k with an 8 KiB-ahead prefetch in the batch-1
+loop 20-22 GB/s, without it ~40 GB/s, while the torch sum read 52-62 GB/s; q8_0 ~35 GB/s either
+way. (An earlier "prefetch changes nothing" was measured on 4 KiB pages by CPU time.) The
+batched path's prefetch (rows of x from 8 on) paid 1.2-1.7x on 4 KiB pages; on huge pages it
+measured equal (machine shared, 1 thread, CPU time, 9 rounds, llama-110m gate_up and down, 8
+and 16 rows, cold: every pair within 1%; 2 threads on the overloaded machine: equal too), so it
+is gone as well. Tried and measured equal at batch 1 (machine shared, 1 thread, CPU time,
+llama-110m gate_up and down, cold, interleaved): two tiles per parallel iteration, and q8_0
+with U = 1 or 2 groups per statement instead of 8 (the loads of a statement come out of LLVM
+in scrambled order within its 4 KiB; with U = 1 they are ascending at cache-line grain). With 1
+thread on the shared machine the kernels stream at 0.35 (q8_0) and 0.45 (q4_k) of the torch
+sum's rate, 11-14 GB/s against 30, while hot they run 74 and 46 GB/s: the cold time is far
+more than the hot time plus the stream time, so the kernel keeps too few cache misses in
+flight; what limits it is not found yet.
 
 Rows of x (prefill, batched decode): each group's weight tiles are loaded (and for 4 bits
 unpacked) once into a local buffer of 8 tiles and used for every row (reads from L1 at worst),
-so a row costs only its dot products;
-the weight stream is prefetched PREFETCH_BYTES ahead into L2, since with many rows per group
-the out-of-order window spans too few groups to keep enough cache misses in flight.
+so a row costs only its dot products.
 
 Measured (scripts/bench_int8_kernel.py compiles the kernel as a build does; 1 thread, CPU time,
 weights cold, llama-110m gate_up (768 -> 4096) and down (2048 -> 768), machine shared, A/B
 against the previous kernel in one process): batch 1 1.2-1.5x faster, batches 8 and 16
 1.9-2.4x faster; a batch-8 call costs 2.0-2.1x a batch-1 call for q8_0 (3.8x / 2.9x before),
-2.5-2.7x for q4_k. The L2 prefetch alone made cold batch-8 calls 1.7x (q8_0) and 1.2x (q4_k)
-faster. A direct tvm.compile of this PrimFunc generates better code than the build's pipeline
+2.5-2.7x for q4_k. A direct tvm.compile of this PrimFunc generates better code than the build's pipeline
 (there the 8 tiles and the float sums are reloaded from memory every row: ~175 GOP/s per core
 at 8 rows with hot weights against ~290 for the direct compile): the next step for batched
 decode is keeping the tiles in registers in the build's pipeline too.
@@ -81,7 +95,6 @@ from tvm.script import tirx as T
 
 TILE_N = 16
 GROUP = 32
-PREFETCH_BYTES = 8192  # weights prefetched this far ahead into L2 (measured best of 1-64 KiB)
 
 
 def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm.tirx.PrimFunc:
@@ -102,17 +115,6 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
     off = 8.0 if (kind == "sym" and four) else (128.0 if kind == "sym" else 0.0)
     f16 = "float16"
     xo_dtype = "int32" if kind == "sym" else "float32"
-    pf_groups = PREFETCH_BYTES // (C * 64)
-
-    @T.macro
-    def prefetch(wp, nt, g):
-        """The weight stream PREFETCH_BYTES ahead into L2 (past the end of a tile: the next
-        tile's). With several rows of x a group's compute is long enough that the out-of-order
-        window holds only 2-3 groups of loads, too few to hide DRAM latency; measured, this
-        made cold-weight batch-8 calls 1.2-1.7x faster and batch 1 no slower."""
-        for c in T.unroll(C):
-            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(wp[nt, g + pf_groups, c, 0]),
-                                          T.int32(0), T.int32(2), T.int32(1)))
 
     @T.macro
     def unpack(tiles, wp, nt, g):
@@ -290,7 +292,6 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
                 for g in range(NG):
                     tiles = T.alloc_buffer((8,), "uint8x64", scope="local")
                     ab = T.alloc_buffer((2,), "float32x16", scope="local")
-                    prefetch(wp, nt, g)
                     unpack(tiles, wp, nt, g)
                     coefficients(ab, p0, p1, p2, p3, nt, g)
                     for r in range(A * B):

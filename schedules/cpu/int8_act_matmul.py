@@ -51,34 +51,42 @@ per block; with hot weights one core runs ~1.4 G vpdpbusd/s (q4_k llama-110m gat
 call, the same per row in prefill: the VNNI issue rate is the compute bound), with cold weights
 ~20 GB/s per core (1 thread), ~35-40 GB/s of CPU time with 2 threads.
 
-No software prefetch. The VM's memory bandwidth drifts 2x within a minute, so only A/B runs
-interleaved round by round in one process count (scripts/bench_int8_kernel.py --against, its
-`share` column against a torch sum of the same bytes timed in the same rounds), with the weights
-on transparent huge pages as the engine holds them. Measured so (the lead, quiet machine, 2
-threads, llama-1b gate_up 2048 -> 11264, cold): q4_k with an 8 KiB-ahead prefetch in the batch-1
-loop 20-22 GB/s, without it ~40 GB/s, while the torch sum read 52-62 GB/s; q8_0 ~35 GB/s either
-way. (An earlier "prefetch changes nothing" was measured on 4 KiB pages by CPU time.) The
-batched path's prefetch (rows of x from 8 on) paid 1.2-1.7x on 4 KiB pages; on huge pages it
-measured equal (machine shared, 1 thread, CPU time, 9 rounds, llama-110m gate_up and down, 8
-and 16 rows, cold: every pair within 1%; 2 threads on the overloaded machine: equal too), so it
-is gone as well. Tried and measured equal at batch 1 (machine shared, 1 thread, CPU time,
-llama-110m gate_up and down, cold, interleaved): two tiles per parallel iteration, and q8_0
-with U = 1 or 2 groups per statement instead of 8 (the loads of a statement come out of LLVM
-in scrambled order within its 4 KiB; with U = 1 they are ascending at cache-line grain). With 1
-thread on the shared machine the kernels stream at 0.35 (q8_0) and 0.45 (q4_k) of the torch
-sum's rate, 11-14 GB/s against 30, while hot they run 74 and 46 GB/s: the cold time is far
-more than the hot time plus the stream time, so the kernel keeps too few cache misses in
-flight; what limits it is not found yet.
+The software prefetch (PREFETCH_BYTES ahead, into L2, both paths): the measurements disagree,
+so it stays until a quiet machine decides. The VM's memory bandwidth drifts 2x within a
+minute, so only A/B runs interleaved round by round in one process count, weights on
+transparent huge pages as the engine holds them. For removing it: the lead's kernel A/B
+(quiet machine, 2 threads, llama-1b gate_up 2048 -> 11264, cold): q4_k 20-22 GB/s with the
+batch-1 prefetch, ~40 GB/s without, the torch sum 52-62 GB/s; q8_0 ~35 GB/s either way. Equal
+(machine shared, 1 thread, CPU time, scripts/bench_int8_kernel.py --against, 9 rounds,
+llama-110m gate_up, down and lm_head, cold): batch 1 and 8/16 rows, every pair within 1-3%.
+Against removing it, the whole decode step (two Engines of llama-110m builds in one process,
+steps alternating by round, 16 rounds of 8 steps, both load orders; machine shared, load 6-7
+on 2 cores): without the prefetch q8 steps take 1.45x the CPU time at 1 thread (min 1.25x),
+q4 1.52x, and 1.2-1.3x the wall time at 2 threads; per kernel (scripts/profile_decode.py, 1
+thread) the q8_0 LM head 4.6 ms without against 2.6 ms with, gate_up 6.9 against 4.7 ms per
+step, while the same kernels in the kernel bench measure equal (2.30 ms both for that LM
+head). An earlier "prefetch changes nothing" was measured on 4 KiB pages by CPU time. A bare
+TIR loop with this kernel's block structure (64 loads of a 4 KiB block, several chains) streams
+at 10 GB/s without prefetch and 25-29 GB/s with a prefetch of the next block, against a torch
+sum's 30-34 (1 thread, same memory, same process), while this kernel with the same prefetch
+placement gets 12-16: perf puts ~97% of its samples on the 64 back-to-back prefetch
+instructions (they wait for miss buffers), so where the kernel's streaming is lost is not
+found yet. Tried and measured equal at batch 1 (1 thread, CPU time, cold, interleaved): two
+tiles per parallel iteration, and q8_0 with U = 1 or 2 groups per statement instead of 8 (with
+U = 8 LLVM issues a block's loads as 8 interleaved stride-512 streams).
 
 Rows of x (prefill, batched decode): each group's weight tiles are loaded (and for 4 bits
 unpacked) once into a local buffer of 8 tiles and used for every row (reads from L1 at worst),
-so a row costs only its dot products.
+so a row costs only its dot products;
+the weight stream is prefetched PREFETCH_BYTES ahead into L2, since with many rows per group
+the out-of-order window spans too few groups to keep enough cache misses in flight.
 
 Measured (scripts/bench_int8_kernel.py compiles the kernel as a build does; 1 thread, CPU time,
 weights cold, llama-110m gate_up (768 -> 4096) and down (2048 -> 768), machine shared, A/B
 against the previous kernel in one process): batch 1 1.2-1.5x faster, batches 8 and 16
 1.9-2.4x faster; a batch-8 call costs 2.0-2.1x a batch-1 call for q8_0 (3.8x / 2.9x before),
-2.5-2.7x for q4_k. A direct tvm.compile of this PrimFunc generates better code than the build's pipeline
+2.5-2.7x for q4_k. The L2 prefetch alone made cold batch-8 calls 1.7x (q8_0) and 1.2x (q4_k)
+faster (on 4 KiB pages). A direct tvm.compile of this PrimFunc generates better code than the build's pipeline
 (there the 8 tiles and the float sums are reloaded from memory every row: ~175 GOP/s per core
 at 8 rows with hot weights against ~290 for the direct compile): the next step for batched
 decode is keeping the tiles in registers in the build's pipeline too.
@@ -95,6 +103,7 @@ from tvm.script import tirx as T
 
 TILE_N = 16
 GROUP = 32
+PREFETCH_BYTES = 8192  # weights prefetched this far ahead into L2 (measured best of 1-64 KiB)
 
 
 def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm.tirx.PrimFunc:
@@ -115,6 +124,17 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
     off = 8.0 if (kind == "sym" and four) else (128.0 if kind == "sym" else 0.0)
     f16 = "float16"
     xo_dtype = "int32" if kind == "sym" else "float32"
+    pf_groups = PREFETCH_BYTES // (C * 64)
+
+    @T.macro
+    def prefetch(wp, nt, g):
+        """The weight stream PREFETCH_BYTES ahead into L2 (past the end of a tile: the next
+        tile's). With several rows of x a group's compute is long enough that the out-of-order
+        window holds only 2-3 groups of loads, too few to hide DRAM latency; measured, this
+        made cold-weight batch-8 calls 1.2-1.7x faster and batch 1 no slower."""
+        for c in T.unroll(C):
+            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(wp[nt, g + pf_groups, c, 0]),
+                                          T.int32(0), T.int32(2), T.int32(1)))
 
     @T.macro
     def unpack(tiles, wp, nt, g):
@@ -274,6 +294,8 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
             for nt in T.parallel(NT):
                 y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
                 for u in range(NG // U):
+                    for j in T.unroll(U):
+                        prefetch(wp, nt, u * U + j)
                     y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] \
                         + block_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u)
         elif A * B == 1:
@@ -281,6 +303,8 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
                 fsum = T.alloc_buffer((1, TILE_N), "float32", scope="local")
                 fsum[0, T.Ramp(0, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
                 for u in range(NG // U):
+                    for j in T.unroll(U):
+                        prefetch(wp, nt, u * U + j)
                     fsum[0, T.Ramp(0, 1, TILE_N)] = fsum[0, T.Ramp(0, 1, TILE_N)] \
                         + block_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u)
                 y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = T.Cast(out_dtype + "x16", fsum[0, T.Ramp(0, 1, TILE_N)])
@@ -292,6 +316,7 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
                 for g in range(NG):
                     tiles = T.alloc_buffer((8,), "uint8x64", scope="local")
                     ab = T.alloc_buffer((2,), "float32x16", scope="local")
+                    prefetch(wp, nt, g)
                     unpack(tiles, wp, nt, g)
                     coefficients(ab, p0, p1, p2, p3, nt, g)
                     for r in range(A * B):

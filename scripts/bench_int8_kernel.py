@@ -28,6 +28,12 @@ schedules/cpu/int8_act_matmul.py (e.g. `git show HEAD~1:schedules/cpu/int8_act_m
 /tmp/old.py`) and times the two interleaved, round by round, in one process (lines marked `*`):
 on a shared machine the only comparison that holds.
 
+Caveat, measured (machine shared, 1 thread, one process, the same weight memory): this compile
+does not reproduce a build's machine code exactly. Without the software prefetch, the q8_0 LM
+head of a llama-110m build (its model.so) ran at 2.2-2.4 ms a call, the same kernel compiled
+here (in memory or exported to a library) at 1.3-1.45 ms; LLVM issued the loads of a block in
+another order. Confirm a kernel change on whole builds with scripts/ab_decode.py.
+
     python scripts/bench_int8_kernel.py --threads 2 [--shape llama-1b] [--formats q8_0,q4_k]
         [--rows 1,2,4,8,16] [--only qkv,down] [--cold] [--asm /tmp/k.s] [--against /tmp/old.py]
 """

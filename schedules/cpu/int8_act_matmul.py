@@ -71,7 +71,12 @@ at 10 GB/s without prefetch and 25-29 GB/s with a prefetch of the next block, ag
 sum's 30-34 (1 thread, same memory, same process), while this kernel with the same prefetch
 placement gets 12-16: perf puts ~97% of its samples on the 64 back-to-back prefetch
 instructions (they wait for miss buffers), so where the kernel's streaming is lost is not
-found yet. Tried and measured equal at batch 1 (1 thread, CPU time, cold, interleaved): two
+found yet. And the kernel bench does not compile this kernel exactly as a build does: in one
+process on the same weight memory (1 thread), the no-prefetch q8_0 LM head (768 -> 32000) of
+a llama-110m build's model.so took 2.2-2.4 ms a call, the same kernel compiled by the bench
+1.3-1.45 ms, and with the prefetch both 1.2-1.3 ms; the two copies issue a block's loads in
+different orders (the prefetch, ascending, makes the order matter less). So the lead's bench
+gain without prefetch may not carry to builds either: decide with scripts/ab_decode.py. Tried and measured equal at batch 1 (1 thread, CPU time, cold, interleaved): two
 tiles per parallel iteration, and q8_0 with U = 1 or 2 groups per statement instead of 8 (with
 U = 8 LLVM issues a block's loads as 8 interleaved stride-512 streams).
 

@@ -10,6 +10,10 @@ within a minute: only figures of the same rounds compare; on a shared machine at
 CPU-time ratio is the steadier one.
 
     python scripts/ab_decode.py OUT_A OUT_B [--threads 2] [--context 128] [--rounds 16] [--steps 8]
+                                [--reverse-load]
+
+--reverse-load creates the Engines last build first (the baseline stays the first for the
+ratios): where a build's weights land in memory can matter, so run both orders.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ def main():
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--rounds", type=int, default=16)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--reverse-load", action="store_true", help="create the Engines in reverse order")
     args = p.parse_args()
 
     import numpy as np
@@ -32,14 +37,14 @@ def main():
     from tvm_llm import Engine
 
     prompt = [int(t) for t in np.random.default_rng(0).integers(10, 200, size=args.context)]
-    engines = []
-    for out in args.outs:
-        eng = Engine(out, num_threads=args.threads, max_batch_size=1)
+    engines = [None] * len(args.outs)
+    for k in (reversed(range(len(args.outs))) if args.reverse_load else range(len(args.outs))):
+        eng = Engine(args.outs[k], num_threads=args.threads, max_batch_size=1)
         sid = eng.cache.add()
         eng.prefill([(sid, prompt)])
         for _ in range(3):  # warm-up
             eng.decode_step([sid], [5])
-        engines.append((eng, sid))
+        engines[k] = (eng, sid)
     wall = [[] for _ in engines]
     cpu = [[] for _ in engines]
     for r in range(args.rounds):

@@ -10,10 +10,11 @@ within a minute: only figures of the same rounds compare; on a shared machine at
 CPU-time ratio is the steadier one.
 
     python scripts/ab_decode.py OUT_A OUT_B [--threads 2] [--context 128] [--rounds 16] [--steps 8]
-                                [--reverse-load]
+                                [--reverse-load] [--batch 1]
 
 --reverse-load creates the Engines last build first (the baseline stays the first for the
-ratios): where a build's weights land in memory can matter, so run both orders.
+ratios): where a build's weights land in memory can matter, so run both orders. --batch B
+decodes B sequences per step (the batched kernels' path).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def main():
     p.add_argument("--rounds", type=int, default=16)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--reverse-load", action="store_true", help="create the Engines in reverse order")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded per step")
     args = p.parse_args()
 
     import numpy as np
@@ -39,23 +41,24 @@ def main():
     prompt = [int(t) for t in np.random.default_rng(0).integers(10, 200, size=args.context)]
     engines = [None] * len(args.outs)
     for k in (reversed(range(len(args.outs))) if args.reverse_load else range(len(args.outs))):
-        eng = Engine(args.outs[k], num_threads=args.threads, max_batch_size=1)
-        sid = eng.cache.add()
-        eng.prefill([(sid, prompt)])
+        eng = Engine(args.outs[k], num_threads=args.threads, max_batch_size=args.batch)
+        sids = [eng.cache.add() for _ in range(args.batch)]
+        for sid in sids:
+            eng.prefill([(sid, prompt)])
         for _ in range(3):  # warm-up
-            eng.decode_step([sid], [5])
-        engines[k] = (eng, sid)
+            eng.decode_step(sids, [5] * args.batch)
+        engines[k] = (eng, sids)
     wall = [[] for _ in engines]
     cpu = [[] for _ in engines]
     for r in range(args.rounds):
         order = list(range(len(engines)))
         for k in (order if r % 2 == 0 else order[::-1]):
-            eng, sid = engines[k]
+            eng, sids = engines[k]
             steps = []
             c0 = time.process_time()
             for _ in range(args.steps):
                 t0 = time.perf_counter()
-                eng.decode_step([sid], [5])
+                eng.decode_step(sids, [5] * args.batch)
                 steps.append(time.perf_counter() - t0)
             cpu[k].append((time.process_time() - c0) / args.steps)
             wall[k].append(statistics.median(steps))

@@ -63,6 +63,8 @@ of the rounds relative to (a), the code before (range of the per-round ratios in
 Rounds: (a)-(c), (e) and the first (d) 20 rounds x 8 steps (six builds in one process), then
 (a) and the three (d) 30 x 8 (four builds); (d) against (a) in both sets. The 2-thread rounds
 were the noisiest (the machine's other jobs: some rounds 3x slower), the medians still agree.
+Repeated at 2 threads when the load had fallen to ~1 (30 x 8, both load orders): (d) / (a)
+q4 0.89-0.90 (1.88-1.97 against 2.12-2.24 ms/step), q8 0.73-0.75 (2.87-2.96 against 3.90-4.02).
 So on builds the prefetch pays (no prefetch (e) is 1.5-1.8x slower, as is the previous
 helper's finding), fewer prefetch instructions alone (b, c) lose, and what wins is spreading
 them between the compute: (a)'s 32 / 64 back-to-back prefetches at a block's start held the
@@ -76,6 +78,8 @@ now applied per group (2 more vector multiplies per group, hidden under the memo
 the rounding order differs from the previous block sum by float rounding only).
 Tried and measured equal at batch 1 (1 thread, CPU time, cold, interleaved): two tiles per
 parallel iteration, and q8_0 with U = 1 or 2 groups per block statement instead of 8.
+Distance of (d)'s prefetch (same method, 30 rounds x 8 steps, both load orders, 1 and 2
+threads): 16 KiB 0.98-1.02 of 8 KiB's step time, 4 KiB 1.01-1.06, 2 KiB 1.01-1.07; 8 KiB stays.
 
 Rows of x (prefill, batched decode): each group's weight tiles are loaded (and for 4 bits
 unpacked) once into a local buffer of 8 tiles and used for every row (reads from L1 at worst),

@@ -32,39 +32,72 @@ with a, b per weight row: q4_1 a = d, b = m; q4_k a = d * sc, b = -dmin * mn (co
 tile and group, reused for every row of x), xs * xsum kept per row and block when x is
 quantized. So a row and group cost 8 vpdpbusd and 3 (sym) or 4 vector float ops.
 
-Decode (one row of x) sums U groups per statement (U = a q4_k super-block, else the largest
-divisor of K/32 up to 8) as one expression (block_sum): the weight tiles, the int32 dot products
-and the float partial sums stay in registers, and q4_k applies its super-scales once per
-super-block: d * sum_g acc_g * (sc_g * xs_g) - dmin * sum_g mn_g * (xs * xsum)_g. Before, each
-group went through local buffers that the build's pipeline turned into memory (workspace
-allocations): every group stored and reloaded its tiles, coefficients and the accumulator.
-Measured with scripts/bench_int8_kernel.py (1 thread, CPU time, machine shared), llama-110m
-gate_up 768 -> 4096: q4_k 144 -> 93 us with weights cold (past the LLC), 43 us hot, so the
-kernel is now bound by memory, not by unpacking; q8_0 287 -> 203 us cold; LM head 768 -> 32000
-q4_k 1531 -> 715 us. Each tile's 16 sums accumulate directly in y (float32 output): a local
-accumulator per tile had become a workspace allocation and free per tile (NT of them per call).
+Decode (one row of x) adds one group per statement (group_sum, U groups unrolled per block,
+U = a q4_k super-block, else the largest divisor of K/32 up to 8): each group is one
+expression, so the weight tiles, the int32 dot products and the float terms stay in registers
+(local buffers had become memory in the build's pipeline: every group stored and reloaded its
+tiles, coefficients and accumulator), and each tile's 16 sums accumulate directly in y (a local
+accumulator per tile had become a workspace allocation per tile). With hot weights one core
+runs ~1.4 G vpdpbusd/s (the VNNI issue rate is the compute bound); with cold weights the
+kernel is bound by memory.
 
-Where decode's time goes (scripts/bench_int8_kernel.py --asm, then A/B in one process; machine
-shared, so wall times were 2-5x the CPU times and only CPU times compare): the inner loop of a
-super-block is loads, nibble masks, 64 vpdpbusd and the float epilogue with no stores but one
-per block; with hot weights one core runs ~1.4 G vpdpbusd/s (q4_k llama-110m gate_up 35 us per
-call, the same per row in prefill: the VNNI issue rate is the compute bound), with cold weights
-~20 GB/s per core (1 thread), ~35-40 GB/s of CPU time with 2 threads. Prefetch distances of 0,
-4, 8, 16, 32 KiB and locality hints t0/t1/nta, and 2 or 4 partial dot-product chains per group,
-changed no time beyond noise (+-3%), so the prefetch stays at 8 KiB (the batched path needs it).
+Decode's software prefetch: after each group's statement, ONE prefetch (into L2) of the first
+64-byte line of the group PREFETCH_BYTES ahead; the hardware prefetchers fetch its other lines.
+Decided on whole builds (scripts/ab_decode.py: llama-110m builds with --calibrate none as
+Engines in one process, 8 batch-1 decode steps of each build per round, order alternating by
+round, both load orders (--reverse-load); machine shared, load 3-8 on 2 cores). Median step
+of the rounds relative to (a), the code before (range of the per-round ratios in brackets; at
+1 thread the CPU-time ratios agreed within 0.07):
+                                                     q4 1 thr    q4 2 thr    q8 1 thr    q8 2 thr
+  (a) every line of each group PREFETCH_BYTES ahead,  1           1           1           1
+      a block's 32 (q4) / 64 (q8) back to back at its   (3.3-3.6    (2.3-7.7    (6.4-6.7    (7.6-13.9
+      start (the code before)                           ms/step)    ms/step)    ms/step)    ms/step)
+  (b) as (a), first line of each group only           1.46-1.51   1.29-1.38   1.44-1.45   1.35-1.43
+  (c) one per block (q4 2 KiB, q8 4 KiB), 8 KiB ahead 1.50-1.55   1.24-1.27   1.50-1.51   1.34-1.45
+      the same, 16 KiB ahead                          1.46-1.48   1.24-1.25   1.50        1.39-1.48
+  (d) one per group (first line) after the group's    0.84-0.89   0.85-1.02   0.69-0.72   0.68-0.78
+      statement, one statement per group: KEPT        (0.73-0.97) (0.59-1.95) (0.59-0.83) (0.25-1.47)
+  (d) with every line of the group prefetched         0.96-1.00   0.96-1.01   0.84-0.85   0.81
+  (d) without prefetch (one statement per group)      1.04-1.10   0.97-1.00   1.41        1.22-1.38
+  (e) no prefetch, block statement as (a)             1.71-1.78   1.45-1.55   1.53        1.47-1.50
+Rounds: (a)-(c), (e) and the first (d) 20 rounds x 8 steps (six builds in one process), then
+(a) and the three (d) 30 x 8 (four builds); (d) against (a) in both sets. The 2-thread rounds
+were the noisiest (the machine's other jobs: some rounds 3x slower), the medians still agree.
+Repeated at 2 threads when the load had fallen to ~1 (30 x 8, both load orders): (d) / (a)
+q4 0.89-0.90 (1.88-1.97 against 2.12-2.24 ms/step), q8 0.73-0.75 (2.87-2.96 against 3.90-4.02).
+So on builds the prefetch pays (no prefetch (e) is 1.5-1.8x slower, as is the previous
+helper's finding), fewer prefetch instructions alone (b, c) lose, and what wins is spreading
+them between the compute: (a)'s 32 / 64 back-to-back prefetches at a block's start held the
+core waiting on miss buffers (perf: ~97% of the samples of this loop on them). For q4_k the
+one-statement-per-group form alone (no prefetch) is within 0.97-1.10 of (a): the block
+statement's load order (LLVM's) cost about what (a)'s prefetch gained there. The lead's
+kernel bench (scripts/bench_int8_kernel.py, which does not compile the kernel exactly as a
+build does) had measured q4_k faster without any prefetch (20-22 -> ~40 GB/s, 2 threads,
+llama-1b gate_up, huge pages): that did not carry to builds. q4_k's super-scales d, dmin are
+now applied per group (2 more vector multiplies per group, hidden under the memory stream;
+the rounding order differs from the previous block sum by float rounding only).
+Tried and measured equal at batch 1 (1 thread, CPU time, cold, interleaved): two tiles per
+parallel iteration, and q8_0 with U = 1 or 2 groups per block statement instead of 8.
+Distance of (d)'s prefetch (same method, 30 rounds x 8 steps, both load orders, 1 and 2
+threads): 16 KiB 0.98-1.02 of 8 KiB's step time, 4 KiB 1.01-1.06, 2 KiB 1.01-1.07; 8 KiB stays.
 
 Rows of x (prefill, batched decode): each group's weight tiles are loaded (and for 4 bits
 unpacked) once into a local buffer of 8 tiles and used for every row (reads from L1 at worst),
 so a row costs only its dot products;
 the weight stream is prefetched PREFETCH_BYTES ahead into L2, since with many rows per group
 the out-of-order window spans too few groups to keep enough cache misses in flight.
+Here every line of the group stays prefetched at the group's start: on whole builds
+(scripts/ab_decode.py --batch 8, llama-110m, 24 rounds x 6 steps, both load orders, 1 and 2
+threads, machine shared) against it, prefetching every line after the group's rows measured
+0.98-1.06 (q8) and 1.00-1.01 (q4) of the step time, only the first line after the rows
+1.37-1.43 (q8) and 1.07-1.10 (q4), no prefetch 1.38-1.45 (q8) and 1.08-1.14 (q4).
 
 Measured (scripts/bench_int8_kernel.py compiles the kernel as a build does; 1 thread, CPU time,
 weights cold, llama-110m gate_up (768 -> 4096) and down (2048 -> 768), machine shared, A/B
 against the previous kernel in one process): batch 1 1.2-1.5x faster, batches 8 and 16
 1.9-2.4x faster; a batch-8 call costs 2.0-2.1x a batch-1 call for q8_0 (3.8x / 2.9x before),
 2.5-2.7x for q4_k. The L2 prefetch alone made cold batch-8 calls 1.7x (q8_0) and 1.2x (q4_k)
-faster. A direct tvm.compile of this PrimFunc generates better code than the build's pipeline
+faster (on 4 KiB pages). A direct tvm.compile of this PrimFunc generates better code than the build's pipeline
 (there the 8 tiles and the float sums are reloaded from memory every row: ~175 GOP/s per core
 at 8 rows with hot weights against ~290 for the direct compile): the next step for batched
 decode is keeping the tiles in registers in the build's pipeline too.
@@ -97,7 +130,7 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
     kind = fmt.kind
     S = super_groups(K) if kind == "kquant" else 1
     NS = NG // S
-    # decode sums U groups per statement: a q4_k super-block, else the largest divisor <= 8
+    # decode unrolls U groups per block: a q4_k super-block, else the largest divisor <= 8
     U = S if kind == "kquant" else next(u for u in range(8, 0, -1) if NG % u == 0)
     off = 8.0 if (kind == "sym" and four) else (128.0 if kind == "sym" else 0.0)
     f16 = "float16"
@@ -106,13 +139,20 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
 
     @T.macro
     def prefetch(wp, nt, g):
-        """The weight stream PREFETCH_BYTES ahead into L2 (past the end of a tile: the next
-        tile's). With several rows of x a group's compute is long enough that the out-of-order
-        window holds only 2-3 groups of loads, too few to hide DRAM latency; measured, this
-        made cold-weight batch-8 calls 1.2-1.7x faster and batch 1 no slower."""
+        """Rows of x: every line of group g's weights PREFETCH_BYTES ahead into L2 (past the
+        end of a tile: the next tile's). With several rows of x a group's compute is long
+        enough that the out-of-order window holds only 2-3 groups of loads, too few to hide
+        DRAM latency; measured, this made cold-weight batch-8 calls 1.2-1.7x faster."""
         for c in T.unroll(C):
             T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(wp[nt, g + pf_groups, c, 0]),
                                           T.int32(0), T.int32(2), T.int32(1)))
+
+    @T.macro
+    def prefetch_first_line(wp, nt, g):
+        """Decode: only the first 64-byte line of group g's weights PREFETCH_BYTES ahead into
+        L2; the hardware prefetchers fetch the group's other lines (see the module docstring)."""
+        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(wp[nt, g + pf_groups, 0, 0]),
+                                      T.int32(0), T.int32(2), T.int32(1)))
 
     @T.macro
     def unpack(tiles, wp, nt, g):
@@ -167,41 +207,34 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
                                           T.reinterpret("int8x64", T.Broadcast(a4, TILE_N)))
         return acc
 
-    def block_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u):
-        """Decode (one row of x): the tile's 16 sums over the U groups of block u as one
-        expression, so that the weight tiles, the int32 dot products and the float partial sums
-        stay in registers (local buffers in the build's pipeline became memory, and every group
-        paid stores and reloads on its dependency chains). Weight loads are pure expressions:
-        a 4-bit chunk's two nibble tiles share one load (LLVM merges the identical loads).
-        q4_k: the super-scales d, dmin are applied once per super-block (U = S):
-            d * sum_g acc_g * (sc_g * xs_g)  -  dmin * sum_g mn_g * (xs * xsum)_g."""
-        zero = T.Broadcast(T.float32(0), TILE_N)
-        main, mins = zero, zero
-        for j in range(U):
-            g = u * U + j
-            if four:
-                tiles = []
-                for c in range(C):
-                    packed = wp[nt, g, c, T.Ramp(0, 1, 64)]
-                    tiles += [T.bitwise_and(packed, T.Broadcast(T.uint8(15), 64)),
-                              T.shift_right(packed, T.Broadcast(T.uint8(4), 64))]
-            else:
-                tiles = [wp[nt, g, c, T.Ramp(0, 1, 64)] for c in range(C)]
-            init = T.Broadcast(xo[0, g], TILE_N) if kind == "sym" else T.Broadcast(T.int32(0), TILE_N)
-            acc = T.Cast("float32x16", dot_chain(init, tiles, xq, 0, g))
-            if kind == "kquant":
-                main = main + acc * (kquant_code(p0, p1, nt, g, 0) * T.Broadcast(xs[0, g], TILE_N))
-                mins = mins + kquant_code(p0, p1, nt, g, 1) * T.Broadcast(xo[0, g], TILE_N)
-            else:
-                main = main + acc * (T.Cast("float32x16", p0[nt, g, T.Ramp(0, 1, TILE_N)])
-                                     * T.Broadcast(xs[0, g], TILE_N))
-                if kind == "asym":
-                    mins = mins + T.Cast("float32x16", p1[nt, g, T.Ramp(0, 1, TILE_N)]) \
-                        * T.Broadcast(xo[0, g], TILE_N)
+    def group_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u, j):
+        """Decode (one row of x): the tile's 16 sums over group g = u * U + j (block u, its
+        group j) as one expression, so that the weight tiles, the int32 dot products and the
+        float terms stay in registers (local buffers in the build's pipeline became memory,
+        and every group paid stores and reloads on its dependency chains). Weight loads are
+        pure expressions: a 4-bit chunk's two nibble tiles share one load (LLVM merges the
+        identical loads). q4_k (U = S, so u is the super-block):
+            d * (acc_g * (sc_g * xs_g))  -  dmin * (mn_g * (xs * xsum)_g)."""
+        g = u * U + j
+        if four:
+            tiles = []
+            for c in range(C):
+                packed = wp[nt, g, c, T.Ramp(0, 1, 64)]
+                tiles += [T.bitwise_and(packed, T.Broadcast(T.uint8(15), 64)),
+                          T.shift_right(packed, T.Broadcast(T.uint8(4), 64))]
+        else:
+            tiles = [wp[nt, g, c, T.Ramp(0, 1, 64)] for c in range(C)]
+        init = T.Broadcast(xo[0, g], TILE_N) if kind == "sym" else T.Broadcast(T.int32(0), TILE_N)
+        acc = T.Cast("float32x16", dot_chain(init, tiles, xq, 0, g))
         if kind == "kquant":
-            return T.Cast("float32x16", p2[nt, u, T.Ramp(0, 1, TILE_N)]) * main \
-                - T.Cast("float32x16", p3[nt, u, T.Ramp(0, 1, TILE_N)]) * mins
-        return main + mins if kind == "asym" else main
+            return T.Cast("float32x16", p2[nt, u, T.Ramp(0, 1, TILE_N)]) \
+                * (acc * (kquant_code(p0, p1, nt, g, 0) * T.Broadcast(xs[0, g], TILE_N))) \
+                - T.Cast("float32x16", p3[nt, u, T.Ramp(0, 1, TILE_N)]) \
+                * (kquant_code(p0, p1, nt, g, 1) * T.Broadcast(xo[0, g], TILE_N))
+        main = acc * (T.Cast("float32x16", p0[nt, g, T.Ramp(0, 1, TILE_N)]) * T.Broadcast(xs[0, g], TILE_N))
+        if kind == "asym":
+            main = main + T.Cast("float32x16", p1[nt, g, T.Ramp(0, 1, TILE_N)]) * T.Broadcast(xo[0, g], TILE_N)
+        return main
 
     @T.macro
     def row_group(facc, i, tiles, ab, xq, xs, xo, r, g):
@@ -273,18 +306,18 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
                 y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
                 for u in range(NG // U):
                     for j in T.unroll(U):
-                        prefetch(wp, nt, u * U + j)
-                    y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] \
-                        + block_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u)
+                        y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] \
+                            + group_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u, j)
+                        prefetch_first_line(wp, nt, u * U + j)
         elif A * B == 1:
             for nt in T.parallel(NT):
                 fsum = T.alloc_buffer((1, TILE_N), "float32", scope="local")
                 fsum[0, T.Ramp(0, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
                 for u in range(NG // U):
                     for j in T.unroll(U):
-                        prefetch(wp, nt, u * U + j)
-                    fsum[0, T.Ramp(0, 1, TILE_N)] = fsum[0, T.Ramp(0, 1, TILE_N)] \
-                        + block_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u)
+                        fsum[0, T.Ramp(0, 1, TILE_N)] = fsum[0, T.Ramp(0, 1, TILE_N)] \
+                            + group_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u, j)
+                        prefetch_first_line(wp, nt, u * U + j)
                 y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = T.Cast(out_dtype + "x16", fsum[0, T.Ramp(0, 1, TILE_N)])
         else:
             for nt in T.parallel(NT):

@@ -133,6 +133,8 @@ class BandwidthProbe:
     drifts by up to 2x within minutes, so `measure` probes before and after every timed run and
     each run's roofline share uses its own probes."""
 
+    SETTLE_S = 0.3  # idle time after a probe, before the next timed run
+
     def __init__(self, threads: int, mb: int = 256):
         import mmap
 
@@ -155,6 +157,9 @@ class BandwidthProbe:
             t0 = time.perf_counter()
             self.buf.sum()
             best = max(best, self.buf.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+        # torch's OpenMP workers spin on after the sum and take cores from the run that
+        # follows: measured, a 128-token prefill right after a probe was ~15% slower
+        time.sleep(self.SETTLE_S)
         return best
 
 

@@ -46,9 +46,9 @@ SAMPLE_ROWS = 256
 # channels, every weight row is rounded on its own, so evenly spaced rows estimate the whole
 # matrix's output error; llama-1b's gate|up has 11264 rows, SmolLM2's 3072
 SEARCH_ROWS = 1024
-# weight rows the mix's Fisher estimate rounds per unit (evenly spaced, the sum scaled to all
-# rows): each row's rounding error is independent of the others', so a few hundred rows rank
-# the units as all of them do
+# weight rows the mix's Fisher estimate rounds per unit (drawn in proportion to their squared
+# gradient, weighted so the sum estimates all rows': _fisher_rows): each row's rounding error is
+# independent of the others', so a few hundred rows rank the units as all of them do
 FISHER_ROWS = 256
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|layer|blocks)\.(\d+)\.")
 
@@ -545,7 +545,7 @@ def calibrate_for_build(model, model_dir: str, quant, text_path: str | None = No
     calib = collect(model, wins, gradients=need_grads)
     stages = {"forward + backward" if need_grads else "forward": round(time.perf_counter() - t0, 1)}
     report = {"text": os.path.abspath(text_path or DEFAULT_CALIBRATION), "tokens": calib.tokens,
-              "methods": list(methods)}
+              "methods": list(methods), "stage_seconds": stages}
     quantizer_for, quantize_input = _scheme_quantizers(quant) if legacy else _plan_quantizers(quant)
     activations = quant.activations
     if "awq" in methods:
@@ -558,7 +558,6 @@ def calibrate_for_build(model, model_dir: str, quant, text_path: str | None = No
         if bits_per_weight is not None:
             log("[tvm-llm] the automatic mix needs per-weight formats (a QuantPlan); not applied")
         report["seconds"] = round(time.perf_counter() - t0, 1)
-        report["stage_seconds"] = stages
         return quant, report
     from . import mix
 
@@ -581,7 +580,6 @@ def calibrate_for_build(model, model_dir: str, quant, text_path: str | None = No
         report["budget"] = {"bits_per_weight": bits_per_weight, "count": count}
         log(f"[tvm-llm] {report['mix']}")
     report["seconds"] = round(time.perf_counter() - t0, 1)
-    report["stage_seconds"] = stages
     log("[tvm-llm] calibration stages (wall s): " + ", ".join(f"{k} {v}" for k, v in stages.items()))
     return replace(quant, formats=formats, importance=importance), report
 

@@ -31,8 +31,9 @@ denormals: the test's numpy model does the same.
 from __future__ import annotations
 
 import tvm
-from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
+
+from .common import tensor_intrin
 
 INTRIN_NAME = "tvm_llm_bf16_dot_16x2"  # + _int32 / _int64
 LLVM_FUNC = "tvm_llm_dpbf16ps_512"
@@ -87,7 +88,4 @@ def _intrin(index_dtype: str):
 
 def intrin_name(index_dtype: str = "int64") -> str:
     """The name of the tensor intrinsic for index_dtype, registered on first use."""
-    name = f"{INTRIN_NAME}_{index_dtype}"
-    if TensorIntrin.get(name, allow_missing=True) is None:
-        TensorIntrin.register(name, *_intrin(index_dtype))
-    return name
+    return tensor_intrin(f"{INTRIN_NAME}_{index_dtype}", lambda: _intrin(index_dtype))

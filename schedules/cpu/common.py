@@ -202,6 +202,14 @@ def vectorize_innermost(sch: s_tir.Schedule, block, lanes: int, unroll_rest: int
         sch.unroll(outer)
 
 
+def tensor_intrin(name: str, make) -> str:
+    """`name`, with the tensor intrinsic ``make()`` returns (desc, impl) registered under it on
+    first use (TVM's registry refuses a second registration of a name)."""
+    if s_tir.TensorIntrin.get(name, allow_missing=True) is None:
+        s_tir.TensorIntrin.register(name, *make())
+    return name
+
+
 def block_name(sch: s_tir.Schedule, block) -> str:
     return sch.get(block).name_hint
 

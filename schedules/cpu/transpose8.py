@@ -10,8 +10,9 @@ packed panel (contiguous along the output columns).
 from __future__ import annotations
 
 import tvm
-from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
+
+from .common import tensor_intrin
 
 N = 8
 INTRIN_NAME = "tvm_llm_transpose_8x8_f32"
@@ -85,7 +86,4 @@ def _intrin(index_dtype: str):
 
 def intrin_name(index_dtype: str = "int64") -> str:
     """The name of the intrinsic for index_dtype, registered on first use."""
-    name = f"{INTRIN_NAME}_{index_dtype}"
-    if TensorIntrin.get(name, allow_missing=True) is None:
-        TensorIntrin.register(name, *_intrin(index_dtype))
-    return name
+    return tensor_intrin(f"{INTRIN_NAME}_{index_dtype}", lambda: _intrin(index_dtype))

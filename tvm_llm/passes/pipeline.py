@@ -79,13 +79,15 @@ def _tuning_passes(target_spec, tuning_log, report) -> list:
 def _finalize_passes(target_spec) -> list:
     from tvm import relax
 
+    from .lean_vm_calls import LeanVMCalls
+
     passes = [relax.transform.RewriteDataflowReshape(), relax.transform.ToNonDataflow(),
               relax.transform.RemovePurityChecking(), relax.transform.CallTIRRewrite(),
               relax.transform.StaticPlanBlockMemory()]
     passes += target_spec.graph_capture_passes()  # needs the static plan's storages
     passes += [relax.transform.LowerAllocTensor(), relax.transform.KillAfterLastUse(),
                relax.transform.LowerRuntimeBuiltin(), relax.transform.ComputePrimValue(),
-               relax.transform.VMShapeLower(), relax.transform.AttachGlobalSymbol()]
+               relax.transform.VMShapeLower(), LeanVMCalls(), relax.transform.AttachGlobalSymbol()]
     return passes
 
 

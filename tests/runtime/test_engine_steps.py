@@ -26,6 +26,13 @@ def test_out_of_range_token_ids_are_user_errors(engine, bad):
         engine.add([5, bad])
     with pytest.raises(UserError, match="out of range"):  # the low-level calls are guarded too
         engine.hidden_states([5, bad])
+    sid = engine.cache.add()
+    try:
+        with pytest.raises(UserError, match=rf"token id {bad} is out of range"):
+            engine.decode_step([sid], [bad])
+        assert engine.cache.sequences[sid] == 0  # refused before the cache moved
+    finally:
+        engine.cache.remove(sid)
     with pytest.raises(UserError, match="not an integer"):
         engine.add([5, 1.5])
     assert not engine.has_work() and engine.cache.sequences == {}

@@ -52,6 +52,7 @@ class PagedKVCache:
         # sliding sequences: seq id -> (tokens kept, offset of the first kept one in its page)
         self._kept: dict = {}
         self._next_id = 0
+        self._ones: dict = {}  # batch size -> Shape([1] * batch), begin_decode's lengths
         self.total_pages = self.free_pages()
 
     def free_pages(self) -> int:
@@ -146,6 +147,27 @@ class PagedKVCache:
             self.sequences[sid] += n
             if sid in self._kept:
                 self._kept[sid] = self._slide(*self._kept[sid], n)[:2]
+
+    def begin_decode(self, seq_ids: list) -> None:
+        """begin(seq_ids, [1] * len(seq_ids)), the decode step's case, with fewer host calls:
+        the page check asks TVM for the free pages only when a sequence needs a new page, and
+        the lengths' shape is built once per batch size."""
+        if len(set(seq_ids)) != len(seq_ids) or any(s not in self.sequences for s in seq_ids):
+            raise ValueError(f"begin: unknown or repeated sequence ids {list(seq_ids)}")
+        if self._kept:
+            return self.begin(seq_ids, [1] * len(seq_ids))
+        ps = self.page_size
+        need = sum(1 for s in seq_ids if self.sequences[s] % ps == 0)
+        if need and need > self.free_pages():
+            raise PagePoolFull(f"KV cache full: {need} more pages needed, {self.free_pages()} free "
+                               f"of {self.total_pages} (page size {self.page_size}); finish some "
+                               f"sequences or {_GROW}")
+        ones = self._ones.get(len(seq_ids))
+        if ones is None:
+            ones = self._ones[len(seq_ids)] = self._shape([1] * len(seq_ids))
+        self._f["kv_state_begin_forward"](self.handle, self._shape(seq_ids), ones)
+        for sid in seq_ids:
+            self.sequences[sid] += 1
 
     def end(self) -> None:
         self._f["kv_state_end_forward"](self.handle)

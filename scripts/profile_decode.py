@@ -43,7 +43,7 @@ def is_kernel(symbol: str) -> bool:
 def _hook_share(eng, instrument, calls: dict) -> float:
     """Mean time the hook measures around `vm.builtin.null_value` in a one-token prefill (on a
     scratch sequence, removed after); its entries are taken out of `calls` again."""
-    before = dict(calls)
+    before = {k: list(v) for k, v in calls.items()}  # the entries are mutated in place
     sid = eng.cache.add()
     eng.vm.set_instrument(instrument)
     try:
@@ -116,12 +116,12 @@ def profile(out: str, threads: int, context: int, steps: int) -> dict:
         eng._decode_fn = decode_fn
     eng.cache.remove(sid)
 
-    kern = {k: v for k, v in calls.items() if is_kernel(k)}
-    host = {k: v for k, v in calls.items() if not is_kernel(k)}
     null = calls.get("vm.builtin.null_value")
     # the hook's share of one timed call; a decode without kills (LeanVMCalls) makes no
     # null_value call: then it is taken from the kills of a one-token prefill
     per_call = null[1] / null[0] if null else _hook_share(eng, instrument, calls)
+    kern = {k: v for k, v in calls.items() if is_kernel(k)}
+    host = {k: v for k, v in calls.items() if not is_kernel(k)}
 
     def table(group):  # (ms per step, calls per step, symbol), the hook's share taken off
         return sorted(((v[1] / steps - v[0] / steps * per_call) * 1e3, v[0] // steps, k)

@@ -12,6 +12,9 @@ This pass, run after VMShapeLower:
 - binds each repeated `make_shape` (same arguments, no write to the shape heap in between: a
   `match_shape` or shape function call resets what is known) to the first one's variable, which
   the VM's code generator turns into a register alias, not an instruction;
+- drops tuple bindings nothing reads: a kernel with two outputs (FuseAddRMSNorm's) leaves
+  `t = (out_a, out_b)` after CallTIRRewrite, its users read out_a and out_b directly, and the VM
+  still built the tuple (`vm.builtin.make_tuple`, 23 a llama-110m decode step);
 - in the functions named in `drop_kills` (decode by default), drops the kills: a kill only lets
   a storage return to the pool before the call ends; decode's activations are a few rows wide
   (its storages a few hundred KiB at most at the largest batch), and the VM releases them when
@@ -59,10 +62,12 @@ def _touches(value, heap_vars: set) -> bool:
 
 
 def rewrite_function(func: relax.Function, drop_kills: bool) -> tuple[relax.Function, dict]:
-    """(the rewritten function, {"make_shape": calls merged, "kills": kills dropped})."""
+    """(the rewritten function, {"make_shape": calls merged, "kills": kills dropped,
+    "tuples": unused tuple bindings dropped})."""
     if not isinstance(func.body, relax.SeqExpr):
-        return func, {"make_shape": 0, "kills": 0}
-    merged = kills = 0
+        return func, {"make_shape": 0, "kills": 0, "tuples": 0}
+    merged = kills = tuples = 0
+    used = _used_vars(func.body)
     blocks = []
     heap_vars: set = set()  # the shape heaps (alloc_shape_heap results)
     alias: dict = {}  # a repeated make_shape's variable -> the first one's
@@ -74,6 +79,9 @@ def rewrite_function(func: relax.Function, drop_kills: bool) -> tuple[relax.Func
             name = _extern_name(value)
             if drop_kills and isinstance(value, relax.Call) and getattr(value.op, "name", "") == KILL:
                 kills += 1
+                continue
+            if isinstance(value, relax.Tuple) and b.var not in used:
+                tuples += 1  # a kernel's output tuple read only through its items
                 continue
             if name == MAKE_SHAPE:
                 heap_vars.add(value.args[0])
@@ -95,11 +103,26 @@ def rewrite_function(func: relax.Function, drop_kills: bool) -> tuple[relax.Func
             bindings.append(b)
         blocks.append(relax.BindingBlock(bindings) if not isinstance(block, relax.DataflowBlock)
                       else relax.DataflowBlock(bindings))
-    if not merged and not kills:
-        return func, {"make_shape": 0, "kills": 0}
+    if not merged and not kills and not tuples:
+        return func, {"make_shape": 0, "kills": 0, "tuples": 0}
     body = relax.SeqExpr(blocks, func.body.body)
     new = relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
-    return new, {"make_shape": merged, "kills": kills}
+    return new, {"make_shape": merged, "kills": kills, "tuples": tuples}
+
+
+def _used_vars(body: relax.SeqExpr) -> set:
+    """Variables read anywhere in `body` (binding values and the result)."""
+    used = set()
+
+    def visit(e):
+        if isinstance(e, relax.Var):
+            used.add(e)
+
+    for block in body.blocks:
+        for b in block.bindings:
+            relax.analysis.post_order_visit(b.value, visit)
+    relax.analysis.post_order_visit(body.body, visit)
+    return used
 
 
 def _renamed(call: relax.Call, alias: dict) -> relax.Call:
@@ -131,7 +154,7 @@ def LeanVMCalls(drop_kills=("decode",), report: dict | None = None) -> tvm.trans
             if isinstance(func, relax.Function):
                 new, counts = rewrite_function(func, gv.name_hint in drop_kills)
                 mod[gv] = new
-                if report is not None and (counts["make_shape"] or counts["kills"]):
+                if report is not None and any(counts.values()):
                     report[gv.name_hint] = counts
         return mod
 

@@ -68,6 +68,9 @@ def rewrite_function(func: relax.Function, drop_kills: bool) -> tuple[relax.Func
         return func, {"make_shape": 0, "kills": 0, "tuples": 0}
     merged = kills = tuples = 0
     used = _used_vars(func.body)
+    # shapes merged only where every use is a top-level binding's (no nested branch to rename)
+    flat = not any(isinstance(b.value, (relax.If, relax.SeqExpr, relax.Function))
+                   for block in func.body.blocks for b in block.bindings)
     blocks = []
     heap_vars: set = set()  # the shape heaps (alloc_shape_heap results)
     alias: dict = {}  # a repeated make_shape's variable -> the first one's
@@ -86,7 +89,7 @@ def rewrite_function(func: relax.Function, drop_kills: bool) -> tuple[relax.Func
             if name == MAKE_SHAPE:
                 heap_vars.add(value.args[0])
                 key = _key(value)
-                if key is not None and key in known:
+                if flat and key is not None and key in known:
                     alias[b.var] = known[key]  # its uses read the first one's register
                     merged += 1
                     continue
@@ -98,14 +101,16 @@ def rewrite_function(func: relax.Function, drop_kills: bool) -> tuple[relax.Func
                 known.clear()  # the heap may have changed: shapes built before are stale
             elif value is None or isinstance(value, (relax.If, relax.SeqExpr)):
                 known.clear()
-            if alias and isinstance(value, relax.Call):
-                b = relax.VarBinding(b.var, _renamed(value, alias), b.span)
+            if alias and isinstance(b, relax.VarBinding):
+                b = relax.VarBinding(b.var, _renamed(b.value, alias), b.span)
+            elif alias and isinstance(b, relax.MatchCast):
+                b = relax.MatchCast(b.var, _renamed(b.value, alias), b.ty, b.span)
             bindings.append(b)
         blocks.append(relax.BindingBlock(bindings) if not isinstance(block, relax.DataflowBlock)
                       else relax.DataflowBlock(bindings))
     if not merged and not kills and not tuples:
         return func, {"make_shape": 0, "kills": 0, "tuples": 0}
-    body = relax.SeqExpr(blocks, func.body.body)
+    body = relax.SeqExpr(blocks, _renamed(func.body.body, alias))
     new = relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
     return new, {"make_shape": merged, "kills": kills, "tuples": tuples}
 
@@ -125,20 +130,25 @@ def _used_vars(body: relax.SeqExpr) -> set:
     return used
 
 
-def _renamed(call: relax.Call, alias: dict) -> relax.Call:
-    """`call` with its arguments (and tuple arguments' fields) renamed by `alias`. (A binding
-    `y = x` would not do: the VM's code generator emits it as a vm.builtin.copy call.)"""
-    def arg(a):
-        if isinstance(a, relax.Var):
-            return alias.get(a, a)
-        if isinstance(a, relax.Tuple):
-            return relax.Tuple([arg(f) for f in a.fields], a.span)
-        return a
-
-    args = [arg(a) for a in call.args]
-    if all(x.same_as(y) for x, y in zip(args, call.args)):
-        return call
-    return relax.Call(call.op, args, call.attrs, call.ty_args, call.span, ret_ty=call.ty)
+def _renamed(expr, alias: dict):
+    """`expr` (a variable, a tuple, or a call and its arguments) with the variables in `alias`
+    renamed. (Binding `y = x` instead would not do: the VM's code generator emits that as a
+    vm.builtin.copy call.)"""
+    if not alias:
+        return expr
+    if isinstance(expr, relax.Var):
+        return alias.get(expr, expr)
+    if isinstance(expr, relax.Tuple):
+        fields = [_renamed(f, alias) for f in expr.fields]
+        if all(x.same_as(y) for x, y in zip(fields, expr.fields)):
+            return expr
+        return relax.Tuple(fields, expr.span)
+    if isinstance(expr, relax.Call):
+        args = [_renamed(a, alias) for a in expr.args]
+        if all(x.same_as(y) for x, y in zip(args, expr.args)):
+            return expr
+        return relax.Call(expr.op, args, expr.attrs, expr.ty_args, expr.span, ret_ty=expr.ty)
+    return expr
 
 
 def _is_builtin_with_ctx(value) -> bool:

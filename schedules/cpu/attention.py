@@ -197,7 +197,7 @@ def _online_softmax_macros(G: int, D: int, L: int, dtype: str, table: LayerTable
             mx[0] = m[g]
             for t in range(ntok):
                 mx[0] = T.max(mx[0], s[t])
-            rescale = _exp2(m[g] - mx[0])
+            rescale: T.let = _exp2(m[g] - mx[0])
             den[g] = den[g] * rescale
             for d in T.vectorized(D):
                 o[g, d] = o[g, d] * rescale
@@ -226,7 +226,7 @@ def _online_softmax_macros(G: int, D: int, L: int, dtype: str, table: LayerTable
                     for d in T.vectorized(D):
                         o[g, d] = o[g, d] * T.exp2(m[g] - mx[0])
                     m[g] = mx[0]
-            inv = T.Select(den[g] > T.float32(0), T.float32(1) / den[g], T.float32(0))
+            inv: T.let = T.Select(den[g] > T.float32(0), T.float32(1) / den[g], T.float32(0))
             for d in T.vectorized(D):
                 out[q_row, q_head0 + g, d] = T.Cast(dtype, o[g, d] * inv)
             lse[q_row, q_head0 + g] = T.Select(den[g] > T.float32(0), m[g] + T.log2(den[g]), m[g])
@@ -285,6 +285,26 @@ def _owns_sink(table, sliding: bool, n_keys, k_pos0, q_pos):
     if table is None or table.sinks is None or sliding:
         return False
     return tirx.all(n_keys > 0, k_pos0 + n_keys - 1 == q_pos)
+
+
+# Scratch memory of the CPU decode kernel. TVM's LowerTVMBuiltin keeps an allocation on the
+# stack only when its scope is "global" and it is under 1 KiB; a "local" one, whatever its size,
+# becomes a TVMBackendAllocWorkspace / FreeWorkspace pair through the runtime's workspace pool,
+# run each time the parallel body runs. TVMScript's `x = expr` makes such a one-element "local"
+# buffer too: the kernel had 19 pairs per (sequence, KV head) item, ~40% of its time at
+# llama-110m's decode. So the per-item buffers are "global" (stack arrays), and the scalars that
+# feed indices are held in one-element "global" buffers (`_held`); an immutable `x: T.let = expr`
+# instead made s_tir's CompactBufferAllocation analyse the nested min/max index expressions
+# (the kernel's compile time 0.9 -> 3.9 s); value-only scalars are `T.let`.
+SCRATCH = "global"
+
+
+def _held(dtype: str, value):
+    """`name = _held(dtype, expr)` in TVMScript: expr stored in a one-element stack buffer and
+    read back as `name` (see SCRATCH)."""
+    held = T.alloc_scalar(dtype, scope=SCRATCH)
+    T.buffer_store(held.scalar.source, value, [0])
+    return held
 
 
 TB_MAX = 16  # keys scored together in the CPU decode kernel: one float32x16 vector of scores
@@ -413,7 +433,7 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
     @T.macro
     def block(q, o, m, den, sp, st, flat, kb, vb, lo, hi, sm_scale):
         """Keys [lo, hi) of the TB-key block whose first key row is at kb (values at vb)."""
-        inside = tirx.all(R >= bcast(lo), R < bcast(hi))
+        inside = T.meta_var(tirx.all(R >= bcast(lo), R < bcast(hi)))  # inlined: a vector Bind fails codegen
         for g in heads(G):
             sp[g, R] = scores(q, g, flat, kb, lo, hi)
             if capped:
@@ -437,12 +457,12 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
         """Keys [t_lo, t_hi) of a sequence (logical key t at physical slot t + offset)."""
         if t_hi > t_lo:
             for p in T.serial((t_lo + offset) // PAGE, T.ceildiv(t_hi + offset, PAGE)):
-                page = page_values[begin + p]
-                lo = T.max(t_lo + offset - p * PAGE, 0)
-                hi = T.min(t_hi + offset - p * PAGE, PAGE)
+                page = _held("int32", page_values[begin + p])
+                lo = _held("int32", T.max(t_lo + offset - p * PAGE, 0))
+                hi = _held("int32", T.min(t_hi + offset - p * PAGE, PAGE))
                 for sub in range(SUBS):
-                    kb = (((page * 2 + 0) * H_kv + hk) * PAGE + sub * TB) * D
-                    vb = (((page * 2 + 1) * H_kv + hk) * PAGE + sub * TB) * D
+                    kb = _held("int32", (((page * 2 + 0) * H_kv + hk) * PAGE + sub * TB) * D)
+                    vb = _held("int32", (((page * 2 + 1) * H_kv + hk) * PAGE + sub * TB) * D)
                     if hi > sub * TB and lo < sub * TB + TB:
                         block(q, o, m, den, sp, st, flat, kb, vb, T.max(lo - sub * TB, 0),
                               T.min(hi - sub * TB, TB), sm_scale)
@@ -483,23 +503,23 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
         # every thread has a (sequence, KV head) item (always with threads <= H_kv): no split
         if not split or B * H_kv >= threads:
             for bh in T.parallel(B * H_kv):
-                q = T.alloc_buffer((G, D), "float32", scope="local")
-                o = T.alloc_buffer((G, D), "float32", scope="local")
-                m = T.alloc_buffer((G,), "float32", scope="local")
-                den = T.alloc_buffer((G,), "float32", scope="local")
-                sp = T.alloc_buffer((G, TB), "float32", scope="local")
-                st = T.alloc_buffer((2,), "float32", scope="local")
-                mx = T.alloc_buffer((1,), "float32", scope="local")
-                b = bh // H_kv
-                hk = bh % H_kv
+                q = T.alloc_buffer((G, D), "float32", scope=SCRATCH)
+                o = T.alloc_buffer((G, D), "float32", scope=SCRATCH)
+                m = T.alloc_buffer((G,), "float32", scope=SCRATCH)
+                den = T.alloc_buffer((G,), "float32", scope=SCRATCH)
+                sp = T.alloc_buffer((G, TB), "float32", scope=SCRATCH)
+                st = T.alloc_buffer((2,), "float32", scope=SCRATCH)
+                mx = T.alloc_buffer((1,), "float32", scope=SCRATCH)
+                b = _held("int32", bh // H_kv)
+                hk = _held("int32", bh % H_kv)
                 start(q, o, m, den, Q, b, hk * G, sm_scale)
-                begin = page_table_indptr[b]
-                npages = page_table_indptr[b + 1] - begin
-                offset = _window_offset(length_info, b, npages, sliding)
-                n_keys = T.Select(npages > 0, (npages - 1) * PAGE
-                                  + _last_page_len(length_info, b, sliding) - offset, 0)
-                t_lo = _window_start(_window(table, sm_scale), q_rope_position[b],
-                                     k_rope_pos_offset[b])
+                begin = _held("int32", page_table_indptr[b])
+                npages = _held("int32", page_table_indptr[b + 1] - begin)
+                offset = _held("int32", _window_offset(length_info, b, npages, sliding))
+                n_keys = _held("int32", T.Select(npages > 0, (npages - 1) * PAGE
+                                           + _last_page_len(length_info, b, sliding) - offset, 0))
+                t_lo = _held("int32", _window_start(_window(table, sm_scale), q_rope_position[b],
+                                              k_rope_pos_offset[b]))
                 over_pages(q, o, m, den, sp, st, flat, page_table_values, begin, offset, t_lo,
                            n_keys, hk, sm_scale)
                 finish(o, m, den, mx, output, lse, b, hk * G,
@@ -509,25 +529,25 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
             # few items: each sequence's keys in C page-aligned chunks attended in parallel
             state = T.alloc_buffer((B * H_kv * n_chunks(B), G, D + 2), "float32")
             for item in T.parallel(B * H_kv * n_chunks(B)):
-                q = T.alloc_buffer((G, D), "float32", scope="local")
-                o = T.alloc_buffer((G, D), "float32", scope="local")
-                m = T.alloc_buffer((G,), "float32", scope="local")
-                den = T.alloc_buffer((G,), "float32", scope="local")
-                sp = T.alloc_buffer((G, TB), "float32", scope="local")
-                st = T.alloc_buffer((2,), "float32", scope="local")
-                bh = item // n_chunks(B)
-                c = item % n_chunks(B)
-                b = bh // H_kv
-                hk = bh % H_kv
+                q = T.alloc_buffer((G, D), "float32", scope=SCRATCH)
+                o = T.alloc_buffer((G, D), "float32", scope=SCRATCH)
+                m = T.alloc_buffer((G,), "float32", scope=SCRATCH)
+                den = T.alloc_buffer((G,), "float32", scope=SCRATCH)
+                sp = T.alloc_buffer((G, TB), "float32", scope=SCRATCH)
+                st = T.alloc_buffer((2,), "float32", scope=SCRATCH)
+                bh = _held("int32", item // n_chunks(B))
+                c = _held("int32", item % n_chunks(B))
+                b = _held("int32", bh // H_kv)
+                hk = _held("int32", bh % H_kv)
                 start(q, o, m, den, Q, b, hk * G, sm_scale)
-                begin = page_table_indptr[b]
-                npages = page_table_indptr[b + 1] - begin
-                offset = _window_offset(length_info, b, npages, sliding)
-                n_keys = T.Select(npages > 0, (npages - 1) * PAGE
-                                  + _last_page_len(length_info, b, sliding) - offset, 0)
-                chunk = T.ceildiv(n_keys, n_chunks(B) * PAGE) * PAGE
-                t_lo = T.max(_window_start(_window(table, sm_scale), q_rope_position[b],
-                                           k_rope_pos_offset[b]), c * chunk)
+                begin = _held("int32", page_table_indptr[b])
+                npages = _held("int32", page_table_indptr[b + 1] - begin)
+                offset = _held("int32", _window_offset(length_info, b, npages, sliding))
+                n_keys = _held("int32", T.Select(npages > 0, (npages - 1) * PAGE
+                                           + _last_page_len(length_info, b, sliding) - offset, 0))
+                chunk = _held("int32", T.ceildiv(n_keys, n_chunks(B) * PAGE) * PAGE)
+                t_lo = _held("int32", T.max(_window_start(_window(table, sm_scale), q_rope_position[b],
+                                                    k_rope_pos_offset[b]), c * chunk))
                 over_pages(q, o, m, den, sp, st, flat, page_table_values, begin, offset, t_lo,
                            T.min(n_keys, c * chunk + chunk), hk, sm_scale)
                 for g in range(G):
@@ -536,12 +556,12 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
                     state[item, g, D] = m[g]
                     state[item, g, D + 1] = den[g]
             for bh in range(B * H_kv):  # the merge, on the calling thread (no second fork)
-                o = T.alloc_buffer((G, D), "float32", scope="local")
-                m = T.alloc_buffer((G,), "float32", scope="local")
-                den = T.alloc_buffer((G,), "float32", scope="local")
-                mx = T.alloc_buffer((1,), "float32", scope="local")
-                b = bh // H_kv
-                hk = bh % H_kv
+                o = T.alloc_buffer((G, D), "float32", scope=SCRATCH)
+                m = T.alloc_buffer((G,), "float32", scope=SCRATCH)
+                den = T.alloc_buffer((G,), "float32", scope=SCRATCH)
+                mx = T.alloc_buffer((1,), "float32", scope=SCRATCH)
+                b = _held("int32", bh // H_kv)
+                hk = _held("int32", bh % H_kv)
                 for g in range(G):
                     m[g] = T.float32(NEG)
                     for c in range(n_chunks(B)):
@@ -554,10 +574,10 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
                         den[g] = den[g] + mx[0] * state[bh * n_chunks(B) + c, g, D + 1]
                         for d in T.vectorized(D):
                             o[g, d] = o[g, d] + mx[0] * state[bh * n_chunks(B) + c, g, d]
-                npages = page_table_indptr[b + 1] - page_table_indptr[b]
-                n_keys = T.Select(npages > 0, (npages - 1) * PAGE
-                                  + _last_page_len(length_info, b, sliding)
-                                  - _window_offset(length_info, b, npages, sliding), 0)
+                npages = _held("int32", page_table_indptr[b + 1] - page_table_indptr[b])
+                n_keys = _held("int32", T.Select(npages > 0, (npages - 1) * PAGE
+                                           + _last_page_len(length_info, b, sliding)
+                                           - _window_offset(length_info, b, npages, sliding), 0))
                 finish(o, m, den, mx, output, lse, b, hk * G,
                        _owns_sink(table, sliding, n_keys, k_rope_pos_offset[b],
                                   q_rope_position[b]), sm_scale)

@@ -940,9 +940,23 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
             st[1, R] = st[1, R] + s[t, R]
         # P and the rescale bound to values (registers over the loop over d, not 16 reloads
         # per row: the stores to O^T might alias `s` as far as LLVM knows)
-        p0, p1, p2, p3, p4, p5, p6, p7 = s[0, R], s[1, R], s[2, R], s[3, R], s[4, R], s[5, R], s[6, R], s[7, R]
-        p8, p9, p10, p11, p12, p13, p14, p15 = s[8, R], s[9, R], s[10, R], s[11, R], s[12, R], s[13, R], s[14, R], s[15, R]
-        rescale = st[2, R]
+        p0: T.let = s[0, R]
+        p1: T.let = s[1, R]
+        p2: T.let = s[2, R]
+        p3: T.let = s[3, R]
+        p4: T.let = s[4, R]
+        p5: T.let = s[5, R]
+        p6: T.let = s[6, R]
+        p7: T.let = s[7, R]
+        p8: T.let = s[8, R]
+        p9: T.let = s[9, R]
+        p10: T.let = s[10, R]
+        p11: T.let = s[11, R]
+        p12: T.let = s[12, R]
+        p13: T.let = s[13, R]
+        p14: T.let = s[14, R]
+        p15: T.let = s[15, R]
+        rescale: T.let = st[2, R]
         for d in range(D):
             ot[d, R] = weighted_values(
                 ot, (p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15),
@@ -981,32 +995,32 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
         v_flat = T.decl_buffer((kv_len * H_kv * D,), dtype, data=v.data)
 
         for item in T.parallel(T.ceildiv(qo_len * G, QT) * H_kv):
-            qt = T.alloc_buffer((D, QT), "float32", scope="local")  # Q^T, pre-scaled
-            ot = T.alloc_buffer((D, QT), "float32", scope="local")  # O^T, unnormalized
-            s = T.alloc_buffer((KB, QT), "float32", scope="local")  # scores, then P
-            st = T.alloc_buffer((4, QT), "float32", scope="local")  # max, den, rescale, new max
-            rng = T.alloc_buffer((2, QT), "int32", scope="local")  # each lane's keys [lo, hi)
-            lim = T.alloc_buffer((4,), "int32", scope="local")  # min lo, max hi, max lo, min hi
-            seq = T.alloc_buffer((1,), "int32", scope="local")
-            n_tiles = T.ceildiv(qo_len * G, QT)
-            pair = item // H_kv
-            hk = item % H_kv
-            tile = T.Select(pair % 2 == 0, pair // 2, n_tiles - 1 - pair // 2)
+            qt = T.alloc_buffer((D, QT), "float32", scope=SCRATCH)  # Q^T, pre-scaled
+            ot = T.alloc_buffer((D, QT), "float32", scope=SCRATCH)  # O^T, unnormalized
+            s = T.alloc_buffer((KB, QT), "float32", scope=SCRATCH)  # scores, then P
+            st = T.alloc_buffer((4, QT), "float32", scope=SCRATCH)  # max, den, rescale, new max
+            rng = T.alloc_buffer((2, QT), "int32", scope=SCRATCH)  # each lane's keys [lo, hi)
+            lim = T.alloc_buffer((4,), "int32", scope=SCRATCH)  # min lo, max hi, max lo, min hi
+            seq = T.alloc_buffer((1,), "int32", scope=SCRATCH)
+            n_tiles = _held("int32", T.ceildiv(qo_len * G, QT))
+            pair = _held("int32", item // H_kv)
+            hk = _held("int32", item % H_kv)
+            tile = _held("int32", T.Select(pair % 2 == 0, pair // 2, n_tiles - 1 - pair // 2))
             lim[0] = kv_len
             lim[1] = 0
             lim[2] = 0
             lim[3] = kv_len
             for lane in range(QT):
                 if tile * QT + lane < qo_len * G:
-                    row = (tile * QT + lane) // G
-                    head = hk * G + (tile * QT + lane) % G
+                    row = _held("int32", (tile * QT + lane) // G)
+                    head = _held("int32", hk * G + (tile * QT + lane) % G)
                     sequence_of_row(seq, q_indptr, batch_size, row)
-                    n_kv = kv_indptr[seq[0] + 1] - kv_indptr[seq[0]]
-                    n_q = q_indptr[seq[0] + 1] - q_indptr[seq[0]]
-                    limit = T.Select(causal > 0,
-                                     T.min(n_kv, n_kv - n_q + row - q_indptr[seq[0]] + 1), n_kv)
-                    first = T.min(_window_start(_window(table, sm_scale), q_rope_position[row],
-                                                k_rope_pos_offset[seq[0]]), limit)
+                    n_kv = _held("int32", kv_indptr[seq[0] + 1] - kv_indptr[seq[0]])
+                    n_q = _held("int32", q_indptr[seq[0] + 1] - q_indptr[seq[0]])
+                    limit = _held("int32", T.Select(causal > 0,
+                                              T.min(n_kv, n_kv - n_q + row - q_indptr[seq[0]] + 1), n_kv))
+                    first = _held("int32", T.min(_window_start(_window(table, sm_scale), q_rope_position[row],
+                                                         k_rope_pos_offset[seq[0]]), limit))
                     rng[0, lane] = kv_indptr[seq[0]] + first
                     rng[1, lane] = kv_indptr[seq[0]] + limit
                     lim[0] = T.min(lim[0], kv_indptr[seq[0]] + first)
@@ -1024,20 +1038,20 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
                 ot[d, R] = bcast(T.float32(0))
             st[0, R] = bcast(T.float32(-5e4))
             st[1, R] = bcast(T.float32(0))
-            kmin = lim[0]  # bound once: scalars, not reloads of `lim` in the block
-            kmax = lim[1]
-            lo_max = lim[2]
-            hi_min = lim[3]
+            kmin = _held("int32", lim[0])  # bound once: scalars, not reloads of `lim` in the block
+            kmax = _held("int32", lim[1])
+            lo_max = _held("int32", lim[2])
+            hi_min = _held("int32", lim[3])
             for blk in range(T.ceildiv(kmax - kmin, KB)):
-                t0 = kmin + blk * KB
+                t0 = _held("int32", kmin + blk * KB)
                 if t0 >= lo_max and t0 + KB <= hi_min:
                     block(qt, ot, s, st, rng, k_flat, v_flat, t0, kmax, hk, sm_scale, False)
                 else:
                     block(qt, ot, s, st, rng, k_flat, v_flat, t0, kmax, hk, sm_scale, True)
             for lane in range(QT):
                 if tile * QT + lane < qo_len * G:
-                    row = (tile * QT + lane) // G
-                    head = hk * G + (tile * QT + lane) % G
+                    row = _held("int32", (tile * QT + lane) // G)
+                    head = _held("int32", hk * G + (tile * QT + lane) % G)
                     if sinks:  # the query's own token is among these keys: add the sink here
                         st[3, lane] = T.max(st[0, lane], _sink2(table, sm_scale, head, H_qo))
                         st[1, lane] = st[1, lane] * T.exp2(st[0, lane] - st[3, lane]) + T.exp2(
@@ -1046,7 +1060,7 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
                         st[0, lane] = st[3, lane]
                     else:
                         st[2, lane] = T.float32(1)
-                    inv = T.Select(st[1, lane] > T.float32(0),
+                    inv: T.let = T.Select(st[1, lane] > T.float32(0),
                                    st[2, lane] / st[1, lane], T.float32(0))
                     for d in range(D):
                         output[row, head, d] = T.Cast(dtype, ot[d, lane] * inv)

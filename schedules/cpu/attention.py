@@ -17,6 +17,9 @@ KV cache calls it unchanged) and:
   cores), splits each sequence's keys into page-aligned chunks attended in parallel and
   merged by their maxima on the calling thread; with enough items (llama-110m's and
   llama-1b's 4 KV heads on 2 cores) there is one parallel pass and no workspace;
+* keeps its scratch on the stack, not in TVM's workspace pool (see SCRATCH): a call costs its
+  keys and one parallel fork (groups whose query rows reach 1 KiB, llama-1b's 8 heads of 64,
+  still take their query and output rows from the pool, two allocations per item);
 * requires the rotary embedding to be applied before the cache (our import uses
   RopeMode.NONE, see tvm_llm/frontend/relax_import.py); rotary_mode is ignored.
 
@@ -287,15 +290,17 @@ def _owns_sink(table, sliding: bool, n_keys, k_pos0, q_pos):
     return tirx.all(n_keys > 0, k_pos0 + n_keys - 1 == q_pos)
 
 
-# Scratch memory of the CPU decode kernel. TVM's LowerTVMBuiltin keeps an allocation on the
-# stack only when its scope is "global" and it is under 1 KiB; a "local" one, whatever its size,
-# becomes a TVMBackendAllocWorkspace / FreeWorkspace pair through the runtime's workspace pool,
-# run each time the parallel body runs. TVMScript's `x = expr` makes such a one-element "local"
-# buffer too: the kernel had 19 pairs per (sequence, KV head) item, ~40% of its time at
-# llama-110m's decode. So the per-item buffers are "global" (stack arrays), and the scalars that
-# feed indices are held in one-element "global" buffers (`_held`); an immutable `x: T.let = expr`
-# instead made s_tir's CompactBufferAllocation analyse the nested min/max index expressions
-# (the kernel's compile time 0.9 -> 3.9 s); value-only scalars are `T.let`.
+# Scratch memory of the CPU decode and tiled ragged prefill kernels. TVM's LowerTVMBuiltin
+# keeps an allocation on the stack only when its scope is "global" and it is under 1 KiB; a
+# "local" one, whatever its size, becomes a TVMBackendAllocWorkspace / FreeWorkspace pair
+# through the runtime's workspace pool, run each time the parallel body runs. TVMScript's
+# `x = expr` makes such a one-element "local" buffer too: the decode kernel had 19 pairs per
+# (sequence, KV head) item (the pool's functions took ~40% of the samples of a tiny model's
+# decode attention), the tiled ragged prefill 58 per tile. So per-item buffers are "global"
+# (stack arrays), and the scalars that feed indices are held in one-element "global" buffers
+# (`_held`); an immutable `x: T.let = expr` instead made s_tir's CompactBufferAllocation
+# analyse the nested min/max index expressions (one kernel's compile 0.9 -> 3.9 s); values
+# that feed no index (rescales, P rows) are `T.let`.
 SCRATCH = "global"
 
 
@@ -433,7 +438,8 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
     @T.macro
     def block(q, o, m, den, sp, st, flat, kb, vb, lo, hi, sm_scale):
         """Keys [lo, hi) of the TB-key block whose first key row is at kb (values at vb)."""
-        inside = T.meta_var(tirx.all(R >= bcast(lo), R < bcast(hi)))  # inlined: a vector Bind fails codegen
+        # inlined (T.meta_var): a Bind of a bool vector fails codegen
+        inside = T.meta_var(tirx.all(R >= bcast(lo), R < bcast(hi)))
         for g in heads(G):
             sp[g, R] = scores(q, g, flat, kb, lo, hi)
             if capped:
@@ -546,8 +552,8 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
                 n_keys = _held("int32", T.Select(npages > 0, (npages - 1) * PAGE
                                            + _last_page_len(length_info, b, sliding) - offset, 0))
                 chunk = _held("int32", T.ceildiv(n_keys, n_chunks(B) * PAGE) * PAGE)
-                t_lo = _held("int32", T.max(_window_start(_window(table, sm_scale), q_rope_position[b],
-                                                    k_rope_pos_offset[b]), c * chunk))
+                t_lo = _held("int32", T.max(_window_start(
+                    _window(table, sm_scale), q_rope_position[b], k_rope_pos_offset[b]), c * chunk))
                 over_pages(q, o, m, den, sp, st, flat, page_table_values, begin, offset, t_lo,
                            T.min(n_keys, c * chunk + chunk), hk, sm_scale)
                 for g in range(G):
@@ -1017,10 +1023,11 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
                     sequence_of_row(seq, q_indptr, batch_size, row)
                     n_kv = _held("int32", kv_indptr[seq[0] + 1] - kv_indptr[seq[0]])
                     n_q = _held("int32", q_indptr[seq[0] + 1] - q_indptr[seq[0]])
-                    limit = _held("int32", T.Select(causal > 0,
-                                              T.min(n_kv, n_kv - n_q + row - q_indptr[seq[0]] + 1), n_kv))
-                    first = _held("int32", T.min(_window_start(_window(table, sm_scale), q_rope_position[row],
-                                                         k_rope_pos_offset[seq[0]]), limit))
+                    limit = _held("int32", T.Select(
+                        causal > 0, T.min(n_kv, n_kv - n_q + row - q_indptr[seq[0]] + 1), n_kv))
+                    first = _held("int32", T.min(_window_start(
+                        _window(table, sm_scale), q_rope_position[row], k_rope_pos_offset[seq[0]]),
+                        limit))
                     rng[0, lane] = kv_indptr[seq[0]] + first
                     rng[1, lane] = kv_indptr[seq[0]] + limit
                     lim[0] = T.min(lim[0], kv_indptr[seq[0]] + first)

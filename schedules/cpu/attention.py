@@ -237,23 +237,26 @@ def _online_softmax_macros(G: int, D: int, L: int, dtype: str, table: LayerTable
     return start, block, finish
 
 
-def _over_pages_macro(block, PAGE: int, H_kv: int, D: int):
+def _over_pages_macro(block, PAGE: int, H_kv: int, D: int, scope: str = "local"):
     """Attention of one (query row, KV head) item over a sequence's pages, keys of logical index
     in [t_lo, t_hi) only. Logical key t lies at physical slot t + offset of the page list
     (offset 0, except in the cache's sliding-window layout, where the slid-out slots of the
-    first page precede it; our runtime enables sliding windows with no attention-sink tokens)."""
+    first page precede it; our runtime enables sliding windows with no attention-sink tokens).
+    `scope`: where its index scalars live (SCRATCH on CPUs, see there)."""
 
     @T.macro
     def over_pages(q, o, m, den, s, part, mx, flat, page_values, begin, npages, last, offset,
                    t_lo, t_hi, hk, sm_scale):
         for p in range(npages):
-            page = page_values[begin + p]
-            ntok = T.Select(p == npages - 1, last, PAGE)
-            lo = T.max(p * PAGE, t_lo + offset)
-            hi = T.min(p * PAGE + ntok, t_hi + offset)
+            page = _held("int32", page_values[begin + p], scope)
+            ntok = _held("int32", T.Select(p == npages - 1, last, PAGE), scope)
+            lo = _held("int32", T.max(p * PAGE, t_lo + offset), scope)
+            hi = _held("int32", T.min(p * PAGE + ntok, t_hi + offset), scope)
             if hi > lo:
-                k_base = (((page * 2 + 0) * H_kv + hk) * PAGE + lo - p * PAGE) * D
-                v_base = (((page * 2 + 1) * H_kv + hk) * PAGE + lo - p * PAGE) * D
+                k_base = _held("int32", (((page * 2 + 0) * H_kv + hk) * PAGE + lo - p * PAGE) * D,
+                               scope)
+                v_base = _held("int32", (((page * 2 + 1) * H_kv + hk) * PAGE + lo - p * PAGE) * D,
+                               scope)
                 block(q, o, m, den, s, part, mx, flat, flat, k_base, v_base, D, hi - lo, sm_scale)
 
     return over_pages
@@ -304,10 +307,11 @@ def _owns_sink(table, sliding: bool, n_keys, k_pos0, q_pos):
 SCRATCH = "global"
 
 
-def _held(dtype: str, value):
+def _held(dtype: str, value, scope: str = SCRATCH):
     """`name = _held(dtype, expr)` in TVMScript: expr stored in a one-element stack buffer and
-    read back as `name` (see SCRATCH)."""
-    held = T.alloc_scalar(dtype, scope=SCRATCH)
+    read back as `name` (see SCRATCH). GPU builds of the shared macros pass "local" (registers:
+    what a plain `name = expr` gives)."""
+    held = T.alloc_scalar(dtype, scope=scope)
     T.buffer_store(held.scalar.source, value, [0])
     return held
 
@@ -687,7 +691,8 @@ def prefill_paged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim:
     G = H_qo // H_kv
     L = _lanes(D)
     start, block, finish = _online_softmax_macros(G, D, L, dtype, table, H_qo, vector)
-    over_pages = _over_pages_macro(block, PAGE, H_kv, D)
+    scope = SCRATCH if vector else "local"  # CPU: stack scratch (see SCRATCH); GPU: registers
+    over_pages = _over_pages_macro(block, PAGE, H_kv, D, scope)
     symbol = "batch_prefill_paged_kv_cpu" + ("_sliding_window" if sliding else "")
 
     @T.prim_func(check_well_formed=False)
@@ -729,26 +734,29 @@ def prefill_paged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim:
         flat = T.decl_buffer((max_num_pages * 2 * H_kv * PAGE * D,), dtype, data=pages.data)
 
         for item in T.parallel(total_len * H_kv):
-            qbuf = T.alloc_buffer((G, D), "float32", scope="local")
-            o = T.alloc_buffer((G, D), "float32", scope="local")
-            m = T.alloc_buffer((G,), "float32", scope="local")
-            den = T.alloc_buffer((G,), "float32", scope="local")
-            s = T.alloc_buffer((PAGE,), "float32", scope="local")
-            part = T.alloc_buffer((L,), "float32", scope="local")
-            mx = T.alloc_buffer((1,), "float32", scope="local")
-            seq = T.alloc_buffer((1,), "int32", scope="local")
-            row = item // H_kv
-            hk = item % H_kv
+            qbuf = T.alloc_buffer((G, D), "float32", scope=scope)
+            o = T.alloc_buffer((G, D), "float32", scope=scope)
+            m = T.alloc_buffer((G,), "float32", scope=scope)
+            den = T.alloc_buffer((G,), "float32", scope=scope)
+            s = T.alloc_buffer((PAGE,), "float32", scope=scope)
+            part = T.alloc_buffer((L,), "float32", scope=scope)
+            mx = T.alloc_buffer((1,), "float32", scope=scope)
+            seq = T.alloc_buffer((1,), "int32", scope=scope)
+            row = _held("int32", item // H_kv, scope)
+            hk = _held("int32", item % H_kv, scope)
             sequence_of_row(seq, q_indptr, batch_size, row)
-            b = seq[0]
-            n_q = q_indptr[b + 1] - q_indptr[b]
-            begin = page_indptr[b]
-            npages = page_indptr[b + 1] - begin
-            last = _last_page_len(length_info, b, sliding)
-            offset = _window_offset(length_info, b, npages, sliding)
-            n_keys = T.Select(npages > 0, (npages - 1) * PAGE + last - offset, 0)
-            t_hi = T.Select(causal > 0, T.min(n_keys, n_keys - n_q + row - q_indptr[b] + 1), n_keys)
-            t_lo = _window_start(_window(table, sm_scale), q_rope_position[row], k_rope_pos_offset[b])
+            b = _held("int32", seq[0], scope)
+            n_q = _held("int32", q_indptr[b + 1] - q_indptr[b], scope)
+            begin = _held("int32", page_indptr[b], scope)
+            npages = _held("int32", page_indptr[b + 1] - begin, scope)
+            last = _held("int32", _last_page_len(length_info, b, sliding), scope)
+            offset = _held("int32", _window_offset(length_info, b, npages, sliding), scope)
+            n_keys = _held("int32", T.Select(npages > 0, (npages - 1) * PAGE + last - offset, 0),
+                           scope)
+            t_hi = _held("int32", T.Select(
+                causal > 0, T.min(n_keys, n_keys - n_q + row - q_indptr[b] + 1), n_keys), scope)
+            t_lo = _held("int32", _window_start(
+                _window(table, sm_scale), q_rope_position[row], k_rope_pos_offset[b]), scope)
             start(qbuf, o, m, den, q, row, hk * G, sm_scale)
             over_pages(qbuf, o, m, den, s, part, mx, flat, page_values, begin, npages, last,
                        offset, t_lo, t_hi, hk, sm_scale)

@@ -175,6 +175,7 @@ def _online_softmax_macros(G: int, D: int, L: int, dtype: str, table: LayerTable
     """
     capped = table is not None and table.has_softcap
     sinks = table is not None and table.sinks is not None
+    scope = SCRATCH if vector else "local"  # scalars: stack on CPUs (see SCRATCH), GPU registers
 
     @T.macro
     def start(q, o, m, den, Q, q_row, q_head0, sm_scale):
@@ -200,7 +201,7 @@ def _online_softmax_macros(G: int, D: int, L: int, dtype: str, table: LayerTable
             mx[0] = m[g]
             for t in range(ntok):
                 mx[0] = T.max(mx[0], s[t])
-            rescale: T.let = _exp2(m[g] - mx[0])
+            rescale = _held("float32", _exp2(m[g] - mx[0]), scope)
             den[g] = den[g] * rescale
             for d in T.vectorized(D):
                 o[g, d] = o[g, d] * rescale
@@ -229,7 +230,8 @@ def _online_softmax_macros(G: int, D: int, L: int, dtype: str, table: LayerTable
                     for d in T.vectorized(D):
                         o[g, d] = o[g, d] * T.exp2(m[g] - mx[0])
                     m[g] = mx[0]
-            inv: T.let = T.Select(den[g] > T.float32(0), T.float32(1) / den[g], T.float32(0))
+            inv = _held("float32", T.Select(den[g] > T.float32(0), T.float32(1) / den[g],
+                                            T.float32(0)), scope)
             for d in T.vectorized(D):
                 out[q_row, q_head0 + g, d] = T.Cast(dtype, o[g, d] * inv)
             lse[q_row, q_head0 + g] = T.Select(den[g] > T.float32(0), m[g] + T.log2(den[g]), m[g])

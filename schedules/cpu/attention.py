@@ -17,6 +17,9 @@ KV cache calls it unchanged) and:
   cores), splits each sequence's keys into page-aligned chunks attended in parallel and
   merged by their maxima on the calling thread; with enough items (llama-110m's and
   llama-1b's 4 KV heads on 2 cores) there is one parallel pass and no workspace;
+* keeps its scratch on the stack, not in TVM's workspace pool (see SCRATCH): a call costs its
+  keys and one parallel fork (groups whose query rows reach 1 KiB, llama-1b's 8 heads of 64,
+  still take their query and output rows from the pool, two allocations per item);
 * requires the rotary embedding to be applied before the cache (our import uses
   RopeMode.NONE, see tvm_llm/frontend/relax_import.py); rotary_mode is ignored.
 
@@ -172,6 +175,7 @@ def _online_softmax_macros(G: int, D: int, L: int, dtype: str, table: LayerTable
     """
     capped = table is not None and table.has_softcap
     sinks = table is not None and table.sinks is not None
+    scope = SCRATCH if vector else "local"  # scalars: stack on CPUs (see SCRATCH), GPU registers
 
     @T.macro
     def start(q, o, m, den, Q, q_row, q_head0, sm_scale):
@@ -197,7 +201,7 @@ def _online_softmax_macros(G: int, D: int, L: int, dtype: str, table: LayerTable
             mx[0] = m[g]
             for t in range(ntok):
                 mx[0] = T.max(mx[0], s[t])
-            rescale = _exp2(m[g] - mx[0])
+            rescale = _held("float32", _exp2(m[g] - mx[0]), scope)
             den[g] = den[g] * rescale
             for d in T.vectorized(D):
                 o[g, d] = o[g, d] * rescale
@@ -226,7 +230,8 @@ def _online_softmax_macros(G: int, D: int, L: int, dtype: str, table: LayerTable
                     for d in T.vectorized(D):
                         o[g, d] = o[g, d] * T.exp2(m[g] - mx[0])
                     m[g] = mx[0]
-            inv = T.Select(den[g] > T.float32(0), T.float32(1) / den[g], T.float32(0))
+            inv = _held("float32", T.Select(den[g] > T.float32(0), T.float32(1) / den[g],
+                                            T.float32(0)), scope)
             for d in T.vectorized(D):
                 out[q_row, q_head0 + g, d] = T.Cast(dtype, o[g, d] * inv)
             lse[q_row, q_head0 + g] = T.Select(den[g] > T.float32(0), m[g] + T.log2(den[g]), m[g])
@@ -234,23 +239,26 @@ def _online_softmax_macros(G: int, D: int, L: int, dtype: str, table: LayerTable
     return start, block, finish
 
 
-def _over_pages_macro(block, PAGE: int, H_kv: int, D: int):
+def _over_pages_macro(block, PAGE: int, H_kv: int, D: int, scope: str = "local"):
     """Attention of one (query row, KV head) item over a sequence's pages, keys of logical index
     in [t_lo, t_hi) only. Logical key t lies at physical slot t + offset of the page list
     (offset 0, except in the cache's sliding-window layout, where the slid-out slots of the
-    first page precede it; our runtime enables sliding windows with no attention-sink tokens)."""
+    first page precede it; our runtime enables sliding windows with no attention-sink tokens).
+    `scope`: where its index scalars live (SCRATCH on CPUs, see there)."""
 
     @T.macro
     def over_pages(q, o, m, den, s, part, mx, flat, page_values, begin, npages, last, offset,
                    t_lo, t_hi, hk, sm_scale):
         for p in range(npages):
-            page = page_values[begin + p]
-            ntok = T.Select(p == npages - 1, last, PAGE)
-            lo = T.max(p * PAGE, t_lo + offset)
-            hi = T.min(p * PAGE + ntok, t_hi + offset)
+            page = _held("int32", page_values[begin + p], scope)
+            ntok = _held("int32", T.Select(p == npages - 1, last, PAGE), scope)
+            lo = _held("int32", T.max(p * PAGE, t_lo + offset), scope)
+            hi = _held("int32", T.min(p * PAGE + ntok, t_hi + offset), scope)
             if hi > lo:
-                k_base = (((page * 2 + 0) * H_kv + hk) * PAGE + lo - p * PAGE) * D
-                v_base = (((page * 2 + 1) * H_kv + hk) * PAGE + lo - p * PAGE) * D
+                k_base = _held("int32", (((page * 2 + 0) * H_kv + hk) * PAGE + lo - p * PAGE) * D,
+                               scope)
+                v_base = _held("int32", (((page * 2 + 1) * H_kv + hk) * PAGE + lo - p * PAGE) * D,
+                               scope)
                 block(q, o, m, den, s, part, mx, flat, flat, k_base, v_base, D, hi - lo, sm_scale)
 
     return over_pages
@@ -285,6 +293,29 @@ def _owns_sink(table, sliding: bool, n_keys, k_pos0, q_pos):
     if table is None or table.sinks is None or sliding:
         return False
     return tirx.all(n_keys > 0, k_pos0 + n_keys - 1 == q_pos)
+
+
+# Scratch memory of the CPU decode and tiled ragged prefill kernels. TVM's LowerTVMBuiltin
+# keeps an allocation on the stack only when its scope is "global" and it is under 1 KiB; a
+# "local" one, whatever its size, becomes a TVMBackendAllocWorkspace / FreeWorkspace pair
+# through the runtime's workspace pool, run each time the parallel body runs. TVMScript's
+# `x = expr` makes such a one-element "local" buffer too: the decode kernel had 19 pairs per
+# (sequence, KV head) item (the pool's functions took ~40% of the samples of a tiny model's
+# decode attention), the tiled ragged prefill 58 per tile. So per-item buffers are "global"
+# (stack arrays), and the scalars that feed indices are held in one-element "global" buffers
+# (`_held`); an immutable `x: T.let = expr` instead made s_tir's CompactBufferAllocation
+# analyse the nested min/max index expressions (one kernel's compile 0.9 -> 3.9 s); values
+# that feed no index (rescales, P rows) are `T.let`.
+SCRATCH = "global"
+
+
+def _held(dtype: str, value, scope: str = SCRATCH):
+    """`name = _held(dtype, expr)` in TVMScript: expr stored in a one-element stack buffer and
+    read back as `name` (see SCRATCH). GPU builds of the shared macros pass "local" (registers:
+    what a plain `name = expr` gives)."""
+    held = T.alloc_scalar(dtype, scope=scope)
+    T.buffer_store(held.scalar.source, value, [0])
+    return held
 
 
 TB_MAX = 16  # keys scored together in the CPU decode kernel: one float32x16 vector of scores
@@ -413,7 +444,8 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
     @T.macro
     def block(q, o, m, den, sp, st, flat, kb, vb, lo, hi, sm_scale):
         """Keys [lo, hi) of the TB-key block whose first key row is at kb (values at vb)."""
-        inside = tirx.all(R >= bcast(lo), R < bcast(hi))
+        # inlined (T.meta_var): a Bind of a bool vector fails codegen
+        inside = T.meta_var(tirx.all(R >= bcast(lo), R < bcast(hi)))
         for g in heads(G):
             sp[g, R] = scores(q, g, flat, kb, lo, hi)
             if capped:
@@ -437,12 +469,12 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
         """Keys [t_lo, t_hi) of a sequence (logical key t at physical slot t + offset)."""
         if t_hi > t_lo:
             for p in T.serial((t_lo + offset) // PAGE, T.ceildiv(t_hi + offset, PAGE)):
-                page = page_values[begin + p]
-                lo = T.max(t_lo + offset - p * PAGE, 0)
-                hi = T.min(t_hi + offset - p * PAGE, PAGE)
+                page = _held("int32", page_values[begin + p])
+                lo = _held("int32", T.max(t_lo + offset - p * PAGE, 0))
+                hi = _held("int32", T.min(t_hi + offset - p * PAGE, PAGE))
                 for sub in range(SUBS):
-                    kb = (((page * 2 + 0) * H_kv + hk) * PAGE + sub * TB) * D
-                    vb = (((page * 2 + 1) * H_kv + hk) * PAGE + sub * TB) * D
+                    kb = _held("int32", (((page * 2 + 0) * H_kv + hk) * PAGE + sub * TB) * D)
+                    vb = _held("int32", (((page * 2 + 1) * H_kv + hk) * PAGE + sub * TB) * D)
                     if hi > sub * TB and lo < sub * TB + TB:
                         block(q, o, m, den, sp, st, flat, kb, vb, T.max(lo - sub * TB, 0),
                               T.min(hi - sub * TB, TB), sm_scale)
@@ -483,23 +515,23 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
         # every thread has a (sequence, KV head) item (always with threads <= H_kv): no split
         if not split or B * H_kv >= threads:
             for bh in T.parallel(B * H_kv):
-                q = T.alloc_buffer((G, D), "float32", scope="local")
-                o = T.alloc_buffer((G, D), "float32", scope="local")
-                m = T.alloc_buffer((G,), "float32", scope="local")
-                den = T.alloc_buffer((G,), "float32", scope="local")
-                sp = T.alloc_buffer((G, TB), "float32", scope="local")
-                st = T.alloc_buffer((2,), "float32", scope="local")
-                mx = T.alloc_buffer((1,), "float32", scope="local")
-                b = bh // H_kv
-                hk = bh % H_kv
+                q = T.alloc_buffer((G, D), "float32", scope=SCRATCH)
+                o = T.alloc_buffer((G, D), "float32", scope=SCRATCH)
+                m = T.alloc_buffer((G,), "float32", scope=SCRATCH)
+                den = T.alloc_buffer((G,), "float32", scope=SCRATCH)
+                sp = T.alloc_buffer((G, TB), "float32", scope=SCRATCH)
+                st = T.alloc_buffer((2,), "float32", scope=SCRATCH)
+                mx = T.alloc_buffer((1,), "float32", scope=SCRATCH)
+                b = _held("int32", bh // H_kv)
+                hk = _held("int32", bh % H_kv)
                 start(q, o, m, den, Q, b, hk * G, sm_scale)
-                begin = page_table_indptr[b]
-                npages = page_table_indptr[b + 1] - begin
-                offset = _window_offset(length_info, b, npages, sliding)
-                n_keys = T.Select(npages > 0, (npages - 1) * PAGE
-                                  + _last_page_len(length_info, b, sliding) - offset, 0)
-                t_lo = _window_start(_window(table, sm_scale), q_rope_position[b],
-                                     k_rope_pos_offset[b])
+                begin = _held("int32", page_table_indptr[b])
+                npages = _held("int32", page_table_indptr[b + 1] - begin)
+                offset = _held("int32", _window_offset(length_info, b, npages, sliding))
+                n_keys = _held("int32", T.Select(npages > 0, (npages - 1) * PAGE
+                                           + _last_page_len(length_info, b, sliding) - offset, 0))
+                t_lo = _held("int32", _window_start(_window(table, sm_scale), q_rope_position[b],
+                                              k_rope_pos_offset[b]))
                 over_pages(q, o, m, den, sp, st, flat, page_table_values, begin, offset, t_lo,
                            n_keys, hk, sm_scale)
                 finish(o, m, den, mx, output, lse, b, hk * G,
@@ -509,25 +541,25 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
             # few items: each sequence's keys in C page-aligned chunks attended in parallel
             state = T.alloc_buffer((B * H_kv * n_chunks(B), G, D + 2), "float32")
             for item in T.parallel(B * H_kv * n_chunks(B)):
-                q = T.alloc_buffer((G, D), "float32", scope="local")
-                o = T.alloc_buffer((G, D), "float32", scope="local")
-                m = T.alloc_buffer((G,), "float32", scope="local")
-                den = T.alloc_buffer((G,), "float32", scope="local")
-                sp = T.alloc_buffer((G, TB), "float32", scope="local")
-                st = T.alloc_buffer((2,), "float32", scope="local")
-                bh = item // n_chunks(B)
-                c = item % n_chunks(B)
-                b = bh // H_kv
-                hk = bh % H_kv
+                q = T.alloc_buffer((G, D), "float32", scope=SCRATCH)
+                o = T.alloc_buffer((G, D), "float32", scope=SCRATCH)
+                m = T.alloc_buffer((G,), "float32", scope=SCRATCH)
+                den = T.alloc_buffer((G,), "float32", scope=SCRATCH)
+                sp = T.alloc_buffer((G, TB), "float32", scope=SCRATCH)
+                st = T.alloc_buffer((2,), "float32", scope=SCRATCH)
+                bh = _held("int32", item // n_chunks(B))
+                c = _held("int32", item % n_chunks(B))
+                b = _held("int32", bh // H_kv)
+                hk = _held("int32", bh % H_kv)
                 start(q, o, m, den, Q, b, hk * G, sm_scale)
-                begin = page_table_indptr[b]
-                npages = page_table_indptr[b + 1] - begin
-                offset = _window_offset(length_info, b, npages, sliding)
-                n_keys = T.Select(npages > 0, (npages - 1) * PAGE
-                                  + _last_page_len(length_info, b, sliding) - offset, 0)
-                chunk = T.ceildiv(n_keys, n_chunks(B) * PAGE) * PAGE
-                t_lo = T.max(_window_start(_window(table, sm_scale), q_rope_position[b],
-                                           k_rope_pos_offset[b]), c * chunk)
+                begin = _held("int32", page_table_indptr[b])
+                npages = _held("int32", page_table_indptr[b + 1] - begin)
+                offset = _held("int32", _window_offset(length_info, b, npages, sliding))
+                n_keys = _held("int32", T.Select(npages > 0, (npages - 1) * PAGE
+                                           + _last_page_len(length_info, b, sliding) - offset, 0))
+                chunk = _held("int32", T.ceildiv(n_keys, n_chunks(B) * PAGE) * PAGE)
+                t_lo = _held("int32", T.max(_window_start(
+                    _window(table, sm_scale), q_rope_position[b], k_rope_pos_offset[b]), c * chunk))
                 over_pages(q, o, m, den, sp, st, flat, page_table_values, begin, offset, t_lo,
                            T.min(n_keys, c * chunk + chunk), hk, sm_scale)
                 for g in range(G):
@@ -536,12 +568,12 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
                     state[item, g, D] = m[g]
                     state[item, g, D + 1] = den[g]
             for bh in range(B * H_kv):  # the merge, on the calling thread (no second fork)
-                o = T.alloc_buffer((G, D), "float32", scope="local")
-                m = T.alloc_buffer((G,), "float32", scope="local")
-                den = T.alloc_buffer((G,), "float32", scope="local")
-                mx = T.alloc_buffer((1,), "float32", scope="local")
-                b = bh // H_kv
-                hk = bh % H_kv
+                o = T.alloc_buffer((G, D), "float32", scope=SCRATCH)
+                m = T.alloc_buffer((G,), "float32", scope=SCRATCH)
+                den = T.alloc_buffer((G,), "float32", scope=SCRATCH)
+                mx = T.alloc_buffer((1,), "float32", scope=SCRATCH)
+                b = _held("int32", bh // H_kv)
+                hk = _held("int32", bh % H_kv)
                 for g in range(G):
                     m[g] = T.float32(NEG)
                     for c in range(n_chunks(B)):
@@ -554,10 +586,10 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
                         den[g] = den[g] + mx[0] * state[bh * n_chunks(B) + c, g, D + 1]
                         for d in T.vectorized(D):
                             o[g, d] = o[g, d] + mx[0] * state[bh * n_chunks(B) + c, g, d]
-                npages = page_table_indptr[b + 1] - page_table_indptr[b]
-                n_keys = T.Select(npages > 0, (npages - 1) * PAGE
-                                  + _last_page_len(length_info, b, sliding)
-                                  - _window_offset(length_info, b, npages, sliding), 0)
+                npages = _held("int32", page_table_indptr[b + 1] - page_table_indptr[b])
+                n_keys = _held("int32", T.Select(npages > 0, (npages - 1) * PAGE
+                                           + _last_page_len(length_info, b, sliding)
+                                           - _window_offset(length_info, b, npages, sliding), 0))
                 finish(o, m, den, mx, output, lse, b, hk * G,
                        _owns_sink(table, sliding, n_keys, k_rope_pos_offset[b],
                                   q_rope_position[b]), sm_scale)
@@ -661,7 +693,8 @@ def prefill_paged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim:
     G = H_qo // H_kv
     L = _lanes(D)
     start, block, finish = _online_softmax_macros(G, D, L, dtype, table, H_qo, vector)
-    over_pages = _over_pages_macro(block, PAGE, H_kv, D)
+    scope = SCRATCH if vector else "local"  # CPU: stack scratch (see SCRATCH); GPU: registers
+    over_pages = _over_pages_macro(block, PAGE, H_kv, D, scope)
     symbol = "batch_prefill_paged_kv_cpu" + ("_sliding_window" if sliding else "")
 
     @T.prim_func(check_well_formed=False)
@@ -703,26 +736,29 @@ def prefill_paged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim:
         flat = T.decl_buffer((max_num_pages * 2 * H_kv * PAGE * D,), dtype, data=pages.data)
 
         for item in T.parallel(total_len * H_kv):
-            qbuf = T.alloc_buffer((G, D), "float32", scope="local")
-            o = T.alloc_buffer((G, D), "float32", scope="local")
-            m = T.alloc_buffer((G,), "float32", scope="local")
-            den = T.alloc_buffer((G,), "float32", scope="local")
-            s = T.alloc_buffer((PAGE,), "float32", scope="local")
-            part = T.alloc_buffer((L,), "float32", scope="local")
-            mx = T.alloc_buffer((1,), "float32", scope="local")
-            seq = T.alloc_buffer((1,), "int32", scope="local")
-            row = item // H_kv
-            hk = item % H_kv
+            qbuf = T.alloc_buffer((G, D), "float32", scope=scope)
+            o = T.alloc_buffer((G, D), "float32", scope=scope)
+            m = T.alloc_buffer((G,), "float32", scope=scope)
+            den = T.alloc_buffer((G,), "float32", scope=scope)
+            s = T.alloc_buffer((PAGE,), "float32", scope=scope)
+            part = T.alloc_buffer((L,), "float32", scope=scope)
+            mx = T.alloc_buffer((1,), "float32", scope=scope)
+            seq = T.alloc_buffer((1,), "int32", scope=scope)
+            row = _held("int32", item // H_kv, scope)
+            hk = _held("int32", item % H_kv, scope)
             sequence_of_row(seq, q_indptr, batch_size, row)
-            b = seq[0]
-            n_q = q_indptr[b + 1] - q_indptr[b]
-            begin = page_indptr[b]
-            npages = page_indptr[b + 1] - begin
-            last = _last_page_len(length_info, b, sliding)
-            offset = _window_offset(length_info, b, npages, sliding)
-            n_keys = T.Select(npages > 0, (npages - 1) * PAGE + last - offset, 0)
-            t_hi = T.Select(causal > 0, T.min(n_keys, n_keys - n_q + row - q_indptr[b] + 1), n_keys)
-            t_lo = _window_start(_window(table, sm_scale), q_rope_position[row], k_rope_pos_offset[b])
+            b = _held("int32", seq[0], scope)
+            n_q = _held("int32", q_indptr[b + 1] - q_indptr[b], scope)
+            begin = _held("int32", page_indptr[b], scope)
+            npages = _held("int32", page_indptr[b + 1] - begin, scope)
+            last = _held("int32", _last_page_len(length_info, b, sliding), scope)
+            offset = _held("int32", _window_offset(length_info, b, npages, sliding), scope)
+            n_keys = _held("int32", T.Select(npages > 0, (npages - 1) * PAGE + last - offset, 0),
+                           scope)
+            t_hi = _held("int32", T.Select(
+                causal > 0, T.min(n_keys, n_keys - n_q + row - q_indptr[b] + 1), n_keys), scope)
+            t_lo = _held("int32", _window_start(
+                _window(table, sm_scale), q_rope_position[row], k_rope_pos_offset[b]), scope)
             start(qbuf, o, m, den, q, row, hk * G, sm_scale)
             over_pages(qbuf, o, m, den, s, part, mx, flat, page_values, begin, npages, last,
                        offset, t_lo, t_hi, hk, sm_scale)
@@ -920,9 +956,23 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
             st[1, R] = st[1, R] + s[t, R]
         # P and the rescale bound to values (registers over the loop over d, not 16 reloads
         # per row: the stores to O^T might alias `s` as far as LLVM knows)
-        p0, p1, p2, p3, p4, p5, p6, p7 = s[0, R], s[1, R], s[2, R], s[3, R], s[4, R], s[5, R], s[6, R], s[7, R]
-        p8, p9, p10, p11, p12, p13, p14, p15 = s[8, R], s[9, R], s[10, R], s[11, R], s[12, R], s[13, R], s[14, R], s[15, R]
-        rescale = st[2, R]
+        p0: T.let = s[0, R]
+        p1: T.let = s[1, R]
+        p2: T.let = s[2, R]
+        p3: T.let = s[3, R]
+        p4: T.let = s[4, R]
+        p5: T.let = s[5, R]
+        p6: T.let = s[6, R]
+        p7: T.let = s[7, R]
+        p8: T.let = s[8, R]
+        p9: T.let = s[9, R]
+        p10: T.let = s[10, R]
+        p11: T.let = s[11, R]
+        p12: T.let = s[12, R]
+        p13: T.let = s[13, R]
+        p14: T.let = s[14, R]
+        p15: T.let = s[15, R]
+        rescale: T.let = st[2, R]
         for d in range(D):
             ot[d, R] = weighted_values(
                 ot, (p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15),
@@ -961,32 +1011,33 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
         v_flat = T.decl_buffer((kv_len * H_kv * D,), dtype, data=v.data)
 
         for item in T.parallel(T.ceildiv(qo_len * G, QT) * H_kv):
-            qt = T.alloc_buffer((D, QT), "float32", scope="local")  # Q^T, pre-scaled
-            ot = T.alloc_buffer((D, QT), "float32", scope="local")  # O^T, unnormalized
-            s = T.alloc_buffer((KB, QT), "float32", scope="local")  # scores, then P
-            st = T.alloc_buffer((4, QT), "float32", scope="local")  # max, den, rescale, new max
-            rng = T.alloc_buffer((2, QT), "int32", scope="local")  # each lane's keys [lo, hi)
-            lim = T.alloc_buffer((4,), "int32", scope="local")  # min lo, max hi, max lo, min hi
-            seq = T.alloc_buffer((1,), "int32", scope="local")
-            n_tiles = T.ceildiv(qo_len * G, QT)
-            pair = item // H_kv
-            hk = item % H_kv
-            tile = T.Select(pair % 2 == 0, pair // 2, n_tiles - 1 - pair // 2)
+            qt = T.alloc_buffer((D, QT), "float32", scope=SCRATCH)  # Q^T, pre-scaled
+            ot = T.alloc_buffer((D, QT), "float32", scope=SCRATCH)  # O^T, unnormalized
+            s = T.alloc_buffer((KB, QT), "float32", scope=SCRATCH)  # scores, then P
+            st = T.alloc_buffer((4, QT), "float32", scope=SCRATCH)  # max, den, rescale, new max
+            rng = T.alloc_buffer((2, QT), "int32", scope=SCRATCH)  # each lane's keys [lo, hi)
+            lim = T.alloc_buffer((4,), "int32", scope=SCRATCH)  # min lo, max hi, max lo, min hi
+            seq = T.alloc_buffer((1,), "int32", scope=SCRATCH)
+            n_tiles = _held("int32", T.ceildiv(qo_len * G, QT))
+            pair = _held("int32", item // H_kv)
+            hk = _held("int32", item % H_kv)
+            tile = _held("int32", T.Select(pair % 2 == 0, pair // 2, n_tiles - 1 - pair // 2))
             lim[0] = kv_len
             lim[1] = 0
             lim[2] = 0
             lim[3] = kv_len
             for lane in range(QT):
                 if tile * QT + lane < qo_len * G:
-                    row = (tile * QT + lane) // G
-                    head = hk * G + (tile * QT + lane) % G
+                    row = _held("int32", (tile * QT + lane) // G)
+                    head = _held("int32", hk * G + (tile * QT + lane) % G)
                     sequence_of_row(seq, q_indptr, batch_size, row)
-                    n_kv = kv_indptr[seq[0] + 1] - kv_indptr[seq[0]]
-                    n_q = q_indptr[seq[0] + 1] - q_indptr[seq[0]]
-                    limit = T.Select(causal > 0,
-                                     T.min(n_kv, n_kv - n_q + row - q_indptr[seq[0]] + 1), n_kv)
-                    first = T.min(_window_start(_window(table, sm_scale), q_rope_position[row],
-                                                k_rope_pos_offset[seq[0]]), limit)
+                    n_kv = _held("int32", kv_indptr[seq[0] + 1] - kv_indptr[seq[0]])
+                    n_q = _held("int32", q_indptr[seq[0] + 1] - q_indptr[seq[0]])
+                    limit = _held("int32", T.Select(
+                        causal > 0, T.min(n_kv, n_kv - n_q + row - q_indptr[seq[0]] + 1), n_kv))
+                    first = _held("int32", T.min(_window_start(
+                        _window(table, sm_scale), q_rope_position[row], k_rope_pos_offset[seq[0]]),
+                        limit))
                     rng[0, lane] = kv_indptr[seq[0]] + first
                     rng[1, lane] = kv_indptr[seq[0]] + limit
                     lim[0] = T.min(lim[0], kv_indptr[seq[0]] + first)
@@ -1004,20 +1055,20 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
                 ot[d, R] = bcast(T.float32(0))
             st[0, R] = bcast(T.float32(-5e4))
             st[1, R] = bcast(T.float32(0))
-            kmin = lim[0]  # bound once: scalars, not reloads of `lim` in the block
-            kmax = lim[1]
-            lo_max = lim[2]
-            hi_min = lim[3]
+            kmin = _held("int32", lim[0])  # bound once: scalars, not reloads of `lim` in the block
+            kmax = _held("int32", lim[1])
+            lo_max = _held("int32", lim[2])
+            hi_min = _held("int32", lim[3])
             for blk in range(T.ceildiv(kmax - kmin, KB)):
-                t0 = kmin + blk * KB
+                t0 = _held("int32", kmin + blk * KB)
                 if t0 >= lo_max and t0 + KB <= hi_min:
                     block(qt, ot, s, st, rng, k_flat, v_flat, t0, kmax, hk, sm_scale, False)
                 else:
                     block(qt, ot, s, st, rng, k_flat, v_flat, t0, kmax, hk, sm_scale, True)
             for lane in range(QT):
                 if tile * QT + lane < qo_len * G:
-                    row = (tile * QT + lane) // G
-                    head = hk * G + (tile * QT + lane) % G
+                    row = _held("int32", (tile * QT + lane) // G)
+                    head = _held("int32", hk * G + (tile * QT + lane) % G)
                     if sinks:  # the query's own token is among these keys: add the sink here
                         st[3, lane] = T.max(st[0, lane], _sink2(table, sm_scale, head, H_qo))
                         st[1, lane] = st[1, lane] * T.exp2(st[0, lane] - st[3, lane]) + T.exp2(
@@ -1026,7 +1077,7 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
                         st[0, lane] = st[3, lane]
                     else:
                         st[2, lane] = T.float32(1)
-                    inv = T.Select(st[1, lane] > T.float32(0),
+                    inv: T.let = T.Select(st[1, lane] > T.float32(0),
                                    st[2, lane] / st[1, lane], T.float32(0))
                     for d in range(D):
                         output[row, head, d] = T.Cast(dtype, ot[d, lane] * inv)

@@ -39,8 +39,9 @@ TVM_KERNELS_WITHOUT_NOALIAS = ("batch_tree_attn", "tree_attn_paged_kv_cpu",
 
 def cpu_cache_kernels(kv_mod, attn, dtype: str, page_size: int, threads: int = 16) -> dict:
     """CPU: decode, ragged and paged prefill and the sliding-window page layout's kernels
-    (ours, honouring the layer table), MLA's latent decode, TVM's own page kernels (append,
-    compaction) rebuilt for `page_size`-token pages, and a bfloat16 fix for the q/k/v split.
+    (ours, honouring the layer table), MLA's latent decode, the q/k/v split and K/V append
+    (ours: no thread-pool fork at decode), and TVM's own page kernels (compaction; the append
+    where ours do not apply) rebuilt for `page_size`-token pages.
     `threads`: the target's cores; the decode kernel splits a sequence's keys over threads
     only when there are fewer (sequence, KV head) items than that (on 2 cores, llama-110m's
     4 KV heads are never split: a split's second pass and workspace cost more than they gave)."""
@@ -71,16 +72,24 @@ def cpu_cache_kernels(kv_mod, attn, dtype: str, page_size: int, threads: int = 1
             attn.num_heads, attn.head_dim, dtype, page_size=page_size)
     if page_size != 16:
         kernels.update(_cpu_page_kernels(attn, dtype, page_size))
+    if attn.v_head_dim == attn.head_dim:  # (ours assume one row width for q, k and v)
+        kernels.update(_cpu_copy_kernels(attn, dtype, page_size))
     names = {gv.name_hint for gv in kv_mod.get_global_vars()}
     for name in TVM_KERNELS_WITHOUT_NOALIAS:  # see the constant's comment
         if name in kernels or name in names:
             kernels[name] = (kernels.get(name) or kv_mod[name]).with_attr("tirx.noalias", True)
-    if dtype == "bfloat16" and "fused_rope" in names:
-        # the q/k/v split kernel (fused_rope; rotary is off here, it only copies) fails LLVM
-        # codegen once vectorized in bfloat16 (TVM's bf16 legalization meets a Let in the
-        # vector loop): left to TVM's default lowering, serial and correct
-        kernels["fused_rope"] = kv_mod["fused_rope"].with_attr("tirx.is_scheduled", True)
     return kernels
+
+
+def _cpu_copy_kernels(attn, dtype: str, page_size: int) -> dict:
+    """The q/k/v split (`fused_rope`) and the K/V append the cache runs in every layer before
+    the attention kernel: ours copy rows as vectors on the calling thread at decode, where
+    TVM's split forked the thread pool for a one-token copy (schedules/cpu/kv_append.py)."""
+    from schedules.cpu.kv_append import split_qkv_func, transpose_append_func
+
+    return {"fused_rope": split_qkv_func(attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype),
+            "tir_kv_cache_transpose_append": transpose_append_func(
+                attn.num_kv_heads, attn.head_dim, dtype, page_size)}
 
 
 def _cpu_page_kernels(attn, dtype: str, page_size: int) -> dict:

@@ -124,9 +124,21 @@ def build(model_dir: str, output_dir: str, config: BuildConfig | None = None, *,
 
     checkpoint = read_checkpoint(model_dir)
     tok_files = tokenizer_files(model_dir, getattr(checkpoint.text_config, "vocab_size", None))
-    lowered = lower(checkpoint, config, "finalize", log=log, dump_ir=dump_ir,
-                    disabled_phases=disabled_phases, clock=clock)
-    t0 = time.perf_counter()
+    from .quantization import prequantize
+
+    try:  # the weights quantized beside trace and passes (prequantize.py) until weights()
+        lowered = lower(checkpoint, config, "finalize", log=log, dump_ir=dump_ir,
+                        disabled_phases=disabled_phases, clock=clock, prequantize=True)
+        t0 = time.perf_counter()
+        clock.lap("passes (quantize, fuse, schedule)")
+        names, weights = lowered.weights()
+        early = prequantize.counts()
+        if early["queued"]:
+            log(f"[tvm-llm] {early['taken']} of {early['queued']} quantized weights came from "
+                "the quantizer run beside trace and passes")
+    finally:
+        prequantize.stop()
+    clock.lap("weight transform (fold, pack)")
     quant_report, tuning = lowered.quantization, lowered.tuning
     if quant_report is not None:
         log(f"[tvm-llm] quantized {len(quant_report.get('quantized', {}))} weights "
@@ -138,10 +150,6 @@ def build(model_dir: str, output_dir: str, config: BuildConfig | None = None, *,
 
         log(format_tuning(tuning))
     import tvm
-
-    clock.lap("passes (quantize, fuse, schedule)")
-    names, weights = lowered.weights()
-    clock.lap("weight transform (fold, pack)")
 
     memory = plan_memory(lowered)
     log(format_memory(memory.to_dict()))

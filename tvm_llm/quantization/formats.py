@@ -25,6 +25,7 @@ round trip, the same arithmetic as the kernels (x * (127 / max|x|), round half t
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -101,7 +102,7 @@ class WeightFormat:
             parts = [self._quantize_rows(c, imp) for c in chunks]
         else:  # rows are independent: chunks in threads (numpy and torch release the GIL),
             # one torch thread each (q4_k's search is in torch), same bytes
-            with _one_torch_thread(), ThreadPoolExecutor(min(len(chunks), host_threads())) as pool:
+            with one_torch_thread(), ThreadPoolExecutor(min(len(chunks), host_threads())) as pool:
                 parts = list(pool.map(lambda c: self._quantize_rows(c, imp), chunks))
         return {key: np.concatenate([p[key] for p in parts], axis=0) for key in parts[0]}
 
@@ -281,19 +282,32 @@ def _search_asymmetric(x, wt, nmax):
 KQUANT_STEPS = tuple(range(0, 21, 2))
 
 
+_TORCH_THREADS = {"users": 0, "before": None}
+_TORCH_THREADS_LOCK = threading.Lock()
+
+
 @contextmanager
-def _one_torch_thread():
-    """torch's intra-op threads set to 1 while Python threads each quantize their own rows
-    (torch.set_num_threads is process-wide; two threads each running a two-thread op would
-    oversubscribe the cores)."""
+def one_torch_thread():
+    """torch's intra-op threads set to 1 while Python threads each run their own torch work
+    (one candidate scaling or one chunk of rows per core): single-threaded ops in two Python
+    threads cost ~2.5x less CPU than two-thread ops competing (measured on the 2-core build
+    machine: 512 x 768 x 1024 sgemm 9 ms of CPU on one thread, 24 ms on two; numpy's OpenBLAS
+    cannot be limited at run time, torch can). torch.set_num_threads is process-wide, so the
+    setting is counted: the last block to leave restores the count from before the first."""
     import torch
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    with _TORCH_THREADS_LOCK:
+        if _TORCH_THREADS["users"] == 0:
+            _TORCH_THREADS["before"] = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _TORCH_THREADS["users"] += 1
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        with _TORCH_THREADS_LOCK:
+            _TORCH_THREADS["users"] -= 1
+            if _TORCH_THREADS["users"] == 0:
+                torch.set_num_threads(_TORCH_THREADS["before"])
 
 
 def _quantize_kquant(x, wt, N: int, K: int, nmax: int) -> dict:

@@ -28,6 +28,7 @@ def test_taken_results_equal_the_quantizer_and_mismatches_are_refused(checkpoint
     scheme = parse_scheme("q4_k", activations="float", plan=plan)
     try:
         assert prequantize.start(model, scheme) > 0
+        prequantize.finish()  # (a build takes what is done; here: every check below applies)
         key = ",".join(sorted(names))
         w = np.concatenate([m.weight.detach().numpy() for m in qkv])
         got = prequantize.take(key, "q4_k", imp, w)

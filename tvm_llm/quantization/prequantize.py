@@ -80,11 +80,15 @@ def _quantize(fmt: str, imp, sources: list) -> dict:
 
 
 def take(key: str, fmt: str, importance, w: np.ndarray):
-    """The stored arrays of weight `w` quantized early, or None (not queued, not started yet:
-    then it is dropped from the queue, or a different computation). Waits for a unit that
-    is being quantized."""
+    """The stored arrays of weight `w` quantized early, or None (not queued, not started yet,
+    or a different computation). Waits for a unit that is being quantized. The first call
+    cancels every unit not started yet."""
     with _LOCK:
         entry = _PENDING.pop(key, None)
+        # the transform has begun: it quantizes on both cores what is not started yet (the
+        # background thread would take the next units one core at a time while it waits)
+        for *_, other in _PENDING.values():
+            other.cancel()
     if entry is None:
         return None
     q_fmt, q_imp, sources, future = entry
@@ -126,6 +130,14 @@ def stop() -> None:
         _POOL.clear()
     for pool in pools:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def finish() -> None:
+    """Wait until every queued unit is quantized (for tests: a build never waits here)."""
+    with _LOCK:
+        futures = [f for *_, f in _PENDING.values()]
+    for f in futures:
+        f.exception()
 
 
 def counts() -> dict:

@@ -88,22 +88,27 @@ class WeightFormat:
         return 0, (1 << self.bits) - 1
 
     # ---------------------------------------------------------------------------------------
-    def quantize(self, w: np.ndarray, importance: np.ndarray | None = None) -> dict:
+    def quantize(self, w: np.ndarray, importance: np.ndarray | None = None,
+                 threads: int | None = None) -> dict:
         """Stored arrays of w (N, K) float32 (canonical layout, see the module docstring):
         sym: q int8 (N, K), d float16 (N, K/32); asym: q uint8, d, m float16 (N, K/32);
-        kquant: q uint8 (N, K), sc, mn uint8 (N, K/32) in [0, 63], d, dmin float16 (N, K/256)."""
+        kquant: q uint8 (N, K), sc, mn uint8 (N, K/32) in [0, 63], d, dmin float16 (N, K/256).
+        `threads`: threads for the row chunks (default: the cores this process may use)."""
         w = np.asarray(w, dtype=np.float32)
         if w.ndim != 2 or not self.applies_to(*w.shape):
             raise ValueError(f"{self.name}: weight of shape {w.shape} needs 2 dims and K % {GROUP} == 0")
         N, K = w.shape
         imp = _importance(importance, K)
         chunks = [w[r:r + _ROW_CHUNK] for r in range(0, N, _ROW_CHUNK)]
-        if len(chunks) == 1 or host_threads() == 1:
-            parts = [self._quantize_rows(c, imp) for c in chunks]
-        else:  # rows are independent: chunks in threads (numpy and torch release the GIL),
-            # one torch thread each (q4_k's search is in torch), same bytes
-            with one_torch_thread(), ThreadPoolExecutor(min(len(chunks), host_threads())) as pool:
-                parts = list(pool.map(lambda c: self._quantize_rows(c, imp), chunks))
+        threads = host_threads() if threads is None else threads
+        # rows are independent: chunks in `threads` threads (numpy and torch release the GIL),
+        # one torch thread each (q4_k's search is in torch), the same bytes in any case
+        with one_torch_thread():
+            if len(chunks) == 1 or threads <= 1:
+                parts = [self._quantize_rows(c, imp) for c in chunks]
+            else:
+                with ThreadPoolExecutor(min(len(chunks), threads)) as pool:
+                    parts = list(pool.map(lambda c: self._quantize_rows(c, imp), chunks))
         return {key: np.concatenate([p[key] for p in parts], axis=0) for key in parts[0]}
 
     def dequantize(self, stored: dict) -> np.ndarray:

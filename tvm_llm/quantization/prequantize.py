@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .formats import get_format, one_torch_thread
+from .formats import get_format
 
 _LOCK = threading.Lock()
 _PENDING: dict = {}  # key (sorted checkpoint names, comma-joined) -> (fmt, importance, sources, future)
@@ -67,16 +67,10 @@ def start(model, scheme) -> int:
 
 
 def _quantize(fmt: str, imp, sources: list) -> dict:
-    """One unit on one core: its rows in chunks, one torch thread (the other core is the
-    build's main thread, tracing and running passes)."""
-    from .formats import _ROW_CHUNK, _importance
-
-    f = get_format(fmt)
+    """One unit on one core (the other core is the build's main thread: trace, passes,
+    codegen)."""
     w = sources[0] if len(sources) == 1 else np.concatenate(sources)
-    imp = _importance(imp, w.shape[1])
-    with one_torch_thread():
-        parts = [f._quantize_rows(w[r:r + _ROW_CHUNK], imp) for r in range(0, len(w), _ROW_CHUNK)]
-    return {k: np.concatenate([p[k] for p in parts], axis=0) for k in parts[0]}
+    return get_format(fmt).quantize(w, imp, threads=1)
 
 
 def take(key: str, fmt: str, importance, w: np.ndarray):

@@ -106,6 +106,17 @@ def build(model_dir: str, output_dir: str, config: BuildConfig | None = None, *,
     (`build(ck, out, target="cuda", quantization="q4")`). `force` replaces an existing
     `output_dir`, `emit_source` also writes the generated code, `dump_ir` the IR after each
     phase, `disabled_phases` leaves phases empty (the ablation benchmark)."""
+    from .quantization import prequantize
+
+    try:
+        return _build(model_dir, output_dir, config, force=force, emit_source=emit_source,
+                      dump_ir=dump_ir, disabled_phases=disabled_phases, log=log, **options)
+    finally:  # whatever happened: no background quantization outlives the build
+        prequantize.stop()
+
+
+def _build(model_dir: str, output_dir: str, config: BuildConfig | None, *, force: bool,
+           emit_source: bool, dump_ir: str | None, disabled_phases, log, **options) -> dict:
     from .front import lower, plan_memory, read_checkpoint
     from .frontend import tokenizer_files
     from .report import BuildClock, format_build_time, format_memory
@@ -124,9 +135,14 @@ def build(model_dir: str, output_dir: str, config: BuildConfig | None = None, *,
 
     checkpoint = read_checkpoint(model_dir)
     tok_files = tokenizer_files(model_dir, getattr(checkpoint.text_config, "vocab_size", None))
+    from .quantization import prequantize
+
+    # weights are quantized in a background thread from calibration on (prequantize.py), beside
+    # the single-threaded trace, passes, codegen and export; the weight transform comes last
     lowered = lower(checkpoint, config, "finalize", log=log, dump_ir=dump_ir,
-                    disabled_phases=disabled_phases, clock=clock)
+                    disabled_phases=disabled_phases, clock=clock, prequantize=True)
     t0 = time.perf_counter()
+    clock.lap("passes (quantize, fuse, schedule)")
     quant_report, tuning = lowered.quantization, lowered.tuning
     if quant_report is not None:
         log(f"[tvm-llm] quantized {len(quant_report.get('quantized', {}))} weights "
@@ -138,10 +154,6 @@ def build(model_dir: str, output_dir: str, config: BuildConfig | None = None, *,
 
         log(format_tuning(tuning))
     import tvm
-
-    clock.lap("passes (quantize, fuse, schedule)")
-    names, weights = lowered.weights()
-    clock.lap("weight transform (fold, pack)")
 
     memory = plan_memory(lowered)
     log(format_memory(memory.to_dict()))
@@ -163,6 +175,13 @@ def build(model_dir: str, output_dir: str, config: BuildConfig | None = None, *,
         spec.export_library(executable, os.path.join(tmp, artifact.LIBRARY), workspace_dir=objects)
         shutil.rmtree(objects)
         clock.lap("export library (compile, link)")
+        names, weights = lowered.weights()
+        early = prequantize.counts()
+        if early["queued"]:
+            log(f"[tvm-llm] {early['taken']} of {early['queued']} quantized weights came from "
+                "the quantizer run beside trace, passes and codegen")
+        prequantize.stop()
+        clock.lap("weight transform (fold, pack)")
         table = artifact.save_weights(os.path.join(tmp, artifact.WEIGHTS), names, weights)
         clock.lap("save weights")
         for name in tok_files:

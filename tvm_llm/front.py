@@ -87,11 +87,14 @@ class Lowered:
 
 
 def lower(checkpoint, config: BuildConfig, until: str = "finalize", *, log=print,
-          dump_ir: str | None = None, disabled_phases=(), clock=None) -> Lowered:
+          dump_ir: str | None = None, disabled_phases=(), clock=None,
+          prequantize: bool = False) -> Lowered:
     """Take the checkpoint (a directory or a Checkpoint) through the front half up to `until`
     (module docstring). `dump_ir`: write the IR after each phase there; `disabled_phases`:
     phases left empty (the ablation benchmark); `clock`: a report.BuildClock to charge the
-    steps to."""
+    steps to; `prequantize`: start quantizing the plan's weights in a background thread right
+    after calibration (quantization/prequantize.py), for a caller that will run the weight
+    transform (Lowered.weights takes the results; the caller ends it with prequantize.stop)."""
     if until not in STAGES:
         raise ValueError(f"until must be one of {', '.join(STAGES)}, got {until!r}")
     from .frontend import import_model, load_model, nonfinite_weights
@@ -124,6 +127,10 @@ def lower(checkpoint, config: BuildConfig, until: str = "finalize", *, log=print
             model, checkpoint.model_dir, scheme, config.calibration, config.calibrate,
             config.bits_per_weight, config.bits_count, log=log)
     lap("calibrate")
+    if prequantize and until == "finalize" and getattr(out.scheme, "plan", None) is not None:
+        from .quantization import prequantize as early
+
+        early.start(model, out.scheme)
     if scheme is None:  # quantized weights are sized by the plan, after the passes
         planner.check_weights_fit(config.budget, sum(p.numel() for p in model.parameters())
                                   * kv_budget.dtype_bytes(dtype), spec.device_type)

@@ -2,8 +2,9 @@
 
 * `quantize_weight` (a packed function registered as `tvm_llm.quantize_weight`): the
   QuantizeLinear pass emits a call to it on weights only, so the folding phase lifts it into the
-  build-time weight transform, which runs the numpy reference quantizer (formats.py, with the
-  plan's importance for that weight) and packs the result into the kernel layout (scheme.pack).
+  build-time weight transform, which runs the reference quantizer (formats.py, with the
+  plan's importance for that weight; or takes its result computed early beside the passes,
+  prequantize.py) and packs the result into the kernel layout (scheme.pack).
   The runtime never calls it.
 * `dequantize_matmul`: weight-only, y = x @ dequantize(W)^T. The dequantize is a producer
   block of the matmul inside one PrimFunc, so the schedules (schedules/cpu/gemv.py, gemm.py and
@@ -32,8 +33,14 @@ def set_importance(key: str, importance) -> None:
 def _quantize_packed(w, fmt: str, layout: str, key: str):
     import tvm
 
+    from . import prequantize
+
     f = get_format(str(fmt))
-    arrays = pack(f, f.quantize(w.numpy(), _IMPORTANCE.get(str(key))), str(layout))
+    w, importance = w.numpy(), _IMPORTANCE.get(str(key))
+    stored = prequantize.take(str(key), f.name, importance, w)  # quantized beside the passes
+    if stored is None:
+        stored = f.quantize(w, importance)
+    arrays = pack(f, stored, str(layout))
     return [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays]
 
 

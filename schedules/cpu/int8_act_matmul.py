@@ -97,22 +97,10 @@ weights cold, llama-110m gate_up (768 -> 4096) and down (2048 -> 768), machine s
 against the previous kernel in one process): batch 1 1.2-1.5x faster, batches 8 and 16
 1.9-2.4x faster; a batch-8 call costs 2.0-2.1x a batch-1 call for q8_0 (3.8x / 2.9x before),
 2.5-2.7x for q4_k. The L2 prefetch alone made cold batch-8 calls 1.7x (q8_0) and 1.2x (q4_k)
-faster (on 4 KiB pages).
-
-Allocations (TVM 0.27 on the CPU): tirx.LowerTVMBuiltin leaves an allocation on the stack only
-if its scope is "global" and its size constant and under 1 KiB (STACK_BYTES); everything else,
-every "local" buffer included, and every value named in a loop body (FlattenBuffer turns such a
-binding into a one-element local buffer), becomes a TVMBackendAllocWorkspace / FreeWorkspace
-pair each time its statement runs, and the buffer lives in heap memory that LLVM cannot keep in
-registers. The batched path's tiles, coefficients and unpacked chunk were "local" buffers: two
-or three workspace pairs per tile and group, and every row reloaded the tiles from memory (the
-slowness once put down to "the build's pipeline"). As global-scope buffers of constant size
-they are allocas that LLVM keeps in registers, and the quantize loop names no value: measured
-(2048 -> 768 q4_0, 1 thread, hot weights, interleaved against the previous kernel in one
-process, machine shared) 8 rows 153 -> 87 us, 32 rows 538 -> 324 us, 1 row 16.4 -> 16.1 us,
-outputs bit-identical; whole llama-110m q4_0_a8 build, batch-8 decode (scripts/ab_decode.py
---batch 8) 0.87 of the step time; workspace allocations per batch-1 decode step 1377 -> 1095
-(the rest are the attention kernel's local buffers).
+faster (on 4 KiB pages). A direct tvm.compile of this PrimFunc generates better code than the build's pipeline
+(there the 8 tiles and the float sums are reloaded from memory every row: ~175 GOP/s per core
+at 8 rows with hot weights against ~290 for the direct compile): the next step for batched
+decode is keeping the tiles in registers in the build's pipeline too.
 Tried and measured equal (1 thread, hot weights, 32 rows, llama-110m gate_up, q4_k and q8_0:
 all within +-3% of ~1.15 ms, i.e. ~36 us per row, the decode kernel's hot time per row): block_sum
 per row with accumulators in y, rows in blocks of 1/2/4/8 as one expression (a 16*rows-lane

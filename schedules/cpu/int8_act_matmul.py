@@ -115,11 +115,6 @@ from tvm.script import tirx as T
 TILE_N = 16
 GROUP = 32
 PREFETCH_BYTES = 8192  # weights prefetched this far ahead into L2 (measured best of 1-64 KiB)
-# On the CPU, tirx.LowerTVMBuiltin keeps an allocation on the stack (an LLVM alloca, which LLVM
-# may also keep in registers) only if its scope is "global", its size constant and under this
-# many bytes; every other one (any "local" scope buffer, any symbolic size) becomes a
-# TVMBackendAllocWorkspace / FreeWorkspace pair each time its statement runs.
-STACK_BYTES = 1024
 
 
 def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm.tirx.PrimFunc:
@@ -163,9 +158,10 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
     def unpack(tiles, wp, nt, g):
         """The group's 8 VNNI tiles of 16 rows (unsigned bytes)."""
         if four:
-            for c in T.unroll(C):  # the chunk's load written twice, not named (see quantize_row)
-                tiles[2 * c] = T.bitwise_and(wp[nt, g, c, T.Ramp(0, 1, 64)], T.Broadcast(T.uint8(15), 64))
-                tiles[2 * c + 1] = T.shift_right(wp[nt, g, c, T.Ramp(0, 1, 64)], T.Broadcast(T.uint8(4), 64))
+            for c in T.unroll(C):
+                packed = wp[nt, g, c, T.Ramp(0, 1, 64)]
+                tiles[2 * c] = T.bitwise_and(packed, T.Broadcast(T.uint8(15), 64))
+                tiles[2 * c + 1] = T.shift_right(packed, T.Broadcast(T.uint8(4), 64))
         else:
             for c in T.unroll(C):
                 tiles[c] = wp[nt, g, c, T.Ramp(0, 1, 64)]
@@ -268,90 +264,69 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
             v = T.Shuffle([v], [T.int32(i) for i in range(n)]) + T.Shuffle([v], [T.int32(n + i) for i in range(n)])
         return v
 
-    def x_half(x, r, B, g, h):
-        """Lanes 16h .. 16h + 15 of row r's block g of x (a load expression)."""
-        return x[r // B, r % B, T.Ramp(g * GROUP + 16 * h, 1, 16)]
-
-    def block_amax(x, r, B, g):
-        return hmax(T.max(T.abs(x_half(x, r, B, g, 0)), T.abs(x_half(x, r, B, g, 1))), 16)
-
-    def block_q(x, r, B, g, h):
-        """Half h of block g of row r as int32x16 in [-127, 127]: round(x * 127 / max|x|)."""
-        amax = block_amax(x, r, B, g)
-        inv = T.Broadcast(T.Select(amax > T.float32(0), T.float32(127) / amax, T.float32(0)), 16)
-        return T.Cast("int32x16", T.max(T.min(T.nearbyint(x_half(x, r, B, g, h) * inv),
-                                              T.Broadcast(T.float32(127), 16)),
-                                        T.Broadcast(T.float32(-127), 16)))
-
     @T.macro
     def quantize_row(x, xq, xs, xo, r, B):
         """Row r of x as int8 with one scale per 32 (xs) and the block's offset term (xo), in
         vector expressions: a block is two 16-lane loads, a shuffle-tree max, two rounded
         converts and a shuffle-tree sum (written per lane with local buffers, TVM scalarized
-        the rounding: 32 scalar converts and byte stores per block). No value is named here:
-        a named value (or a local buffer) inside the loop became, after FlattenBuffer, a
-        "local" allocation, and on the CPU each of those is a TVMBackendAllocWorkspace /
-        FreeWorkspace pair per block (6 per block, 384 per row of a 2048-wide x); the repeated
-        expressions are merged again by common-subexpression elimination (TIR's and LLVM's)."""
+        the rounding: 32 scalar converts and byte stores per block)."""
         for g in range(NG):
-            xs[r, g] = block_amax(x, r, B, g) / T.float32(127)
-            xq[r, T.Ramp(g * GROUP, 1, 16)] = T.Cast("int8x16", block_q(x, r, B, g, 0))
-            xq[r, T.Ramp(g * GROUP + 16, 1, 16)] = T.Cast("int8x16", block_q(x, r, B, g, 1))
+            amax = T.alloc_buffer((1,), "float32", scope="local")
+            amax[0] = hmax(T.max(T.abs(x[r // B, r % B, T.Ramp(g * GROUP, 1, 16)]),
+                                 T.abs(x[r // B, r % B, T.Ramp(g * GROUP + 16, 1, 16)])), 16)
+            xs[r, g] = amax[0] / T.float32(127)
+            inv = T.Broadcast(T.Select(amax[0] > T.float32(0), T.float32(127) / amax[0], T.float32(0)), 16)
+            hi, lo = T.Broadcast(T.float32(127), 16), T.Broadcast(T.float32(-127), 16)
+            q0 = T.Cast("int32x16", T.max(T.min(T.nearbyint(x[r // B, r % B, T.Ramp(g * GROUP, 1, 16)] * inv),
+                                                hi), lo))
+            q1 = T.Cast("int32x16", T.max(T.min(T.nearbyint(x[r // B, r % B, T.Ramp(g * GROUP + 16, 1, 16)] * inv),
+                                                hi), lo))
+            xq[r, T.Ramp(g * GROUP, 1, 16)] = T.Cast("int8x16", q0)
+            xq[r, T.Ramp(g * GROUP + 16, 1, 16)] = T.Cast("int8x16", q1)
             if kind == "sym":
-                xo[r, g] = hsum(block_q(x, r, B, g, 0) + block_q(x, r, B, g, 1), 16) * T.int32(-int(off))
+                xo[r, g] = hsum(q0 + q1, 16) * T.int32(-int(off))
             else:
-                xo[r, g] = T.Cast("float32", hsum(block_q(x, r, B, g, 0) + block_q(x, r, B, g, 1), 16)) \
-                    * xs[r, g]
+                xo[r, g] = T.Cast("float32", hsum(q0 + q1, 16)) * xs[r, g]
 
     @T.macro
     def kernel(x, y, wp, p0, p1, p2, p3, A, B):
-        if A * B == 1:
-            # decode: the row's int8 values, scales and offset terms in buffers of a constant
-            # size: on the calling thread's stack where under 1 KiB (STACK_BYTES), where the
-            # shared (A * B)-row buffers were three workspace allocations per call
-            xq1 = T.alloc_buffer((1, K), "int8")
-            xs1 = T.alloc_buffer((1, NG), "float32")
-            xo1 = T.alloc_buffer((1, NG), xo_dtype)
-            quantize_row(x, xq1, xs1, xo1, 0, B)
-            if out_dtype == "float32":
-                for nt in T.parallel(NT):
-                    y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
-                    for u in range(NG // U):
-                        for j in T.unroll(U):
-                            y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] \
-                                + group_sum(wp, p0, p1, p2, p3, xq1, xs1, xo1, nt, u, j)
-                            prefetch_first_line(wp, nt, u * U + j)
-            else:
-                for nt in T.parallel(NT):
-                    fsum = T.alloc_buffer((1, TILE_N), "float32")  # global: on the stack
-                    fsum[0, T.Ramp(0, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
-                    for u in range(NG // U):
-                        for j in T.unroll(U):
-                            fsum[0, T.Ramp(0, 1, TILE_N)] = fsum[0, T.Ramp(0, 1, TILE_N)] \
-                                + group_sum(wp, p0, p1, p2, p3, xq1, xs1, xo1, nt, u, j)
-                            prefetch_first_line(wp, nt, u * U + j)
-                    y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = T.Cast(out_dtype + "x16", fsum[0, T.Ramp(0, 1, TILE_N)])
+        xq = T.alloc_buffer((A * B, K), "int8")
+        xs = T.alloc_buffer((A * B, NG), "float32")
+        xo = T.alloc_buffer((A * B, NG), xo_dtype)  # sym: -offset * sum(q); else xs * sum(q)
+        # 1. int8 activations, one scale per block of 32 (rows in parallel once there are many)
+        if A * B >= 8:
+            for r in T.parallel(A * B):
+                quantize_row(x, xq, xs, xo, r, B)
         else:
-            xq = T.alloc_buffer((A * B, K), "int8")
-            xs = T.alloc_buffer((A * B, NG), "float32")
-            xo = T.alloc_buffer((A * B, NG), xo_dtype)  # sym: -offset * sum(q); else xs * sum(q)
-            # 1. int8 activations, one scale per block of 32 (rows in parallel once there are many)
-            if A * B >= 8:
-                for r in T.parallel(A * B):
-                    quantize_row(x, xq, xs, xo, r, B)
-            else:
-                for r in range(A * B):
-                    quantize_row(x, xq, xs, xo, r, B)
-            # 2. tiles of 16 rows in parallel; each group's tiles unpacked once for all rows of x
+            for r in range(A * B):
+                quantize_row(x, xq, xs, xo, r, B)
+        # 2. tiles of 16 rows in parallel; each group's tiles unpacked once for all rows of x
+        if A * B == 1 and out_dtype == "float32":
+            for nt in T.parallel(NT):
+                y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
+                for u in range(NG // U):
+                    for j in T.unroll(U):
+                        y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] \
+                            + group_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u, j)
+                        prefetch_first_line(wp, nt, u * U + j)
+        elif A * B == 1:
+            for nt in T.parallel(NT):
+                fsum = T.alloc_buffer((1, TILE_N), "float32", scope="local")
+                fsum[0, T.Ramp(0, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
+                for u in range(NG // U):
+                    for j in T.unroll(U):
+                        fsum[0, T.Ramp(0, 1, TILE_N)] = fsum[0, T.Ramp(0, 1, TILE_N)] \
+                            + group_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u, j)
+                        prefetch_first_line(wp, nt, u * U + j)
+                y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = T.Cast(out_dtype + "x16", fsum[0, T.Ramp(0, 1, TILE_N)])
+        else:
             for nt in T.parallel(NT):
                 facc = T.alloc_buffer((A * B, TILE_N), "float32")
                 for r in range(A * B):
                     facc[r, T.Ramp(0, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
                 for g in range(NG):
-                    # global scope and constant size: on the stack (local scope: two
-                    # workspace allocations per tile and group)
-                    tiles = T.alloc_buffer((8,), "uint8x64")
-                    ab = T.alloc_buffer((2,), "float32x16")
+                    tiles = T.alloc_buffer((8,), "uint8x64", scope="local")
+                    ab = T.alloc_buffer((2,), "float32x16", scope="local")
                     prefetch(wp, nt, g)
                     unpack(tiles, wp, nt, g)
                     coefficients(ab, p0, p1, p2, p3, nt, g)

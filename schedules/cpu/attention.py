@@ -411,6 +411,20 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
     def bcast(x, n=TB):
         return tirx.Broadcast(x, n)
 
+    def item_scratch():
+        """A parallel item's scratch (q, o, m, den, sp, st): stack arrays (see SCRATCH)."""
+        return tuple(T.alloc_buffer(shape, "float32", scope=SCRATCH)
+                     for shape in ((G, D), (G, D), (G,), (G,), (G, TB), (2,)))
+
+    def sequence_keys(page_table_indptr, length_info, b):
+        """(first page-table entry, pages, offset, keys) of sequence b, each held (_held)."""
+        begin = _held("int32", page_table_indptr[b])
+        npages = _held("int32", page_table_indptr[b + 1] - begin)
+        offset = _held("int32", _window_offset(length_info, b, npages, sliding))
+        n_keys = _held("int32", T.Select(npages > 0, (npages - 1) * PAGE
+                                   + _last_page_len(length_info, b, sliding) - offset, 0))
+        return begin, npages, offset, n_keys
+
     def row(base, t, lo, hi):
         """Flat offset of key t of the block at `base`, clamped into the valid keys [lo, hi)."""
         return base + T.min(T.max(t, lo), hi - 1) * D
@@ -515,21 +529,12 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
         # every thread has a (sequence, KV head) item (always with threads <= H_kv): no split
         if not split or B * H_kv >= threads:
             for bh in T.parallel(B * H_kv):
-                q = T.alloc_buffer((G, D), "float32", scope=SCRATCH)
-                o = T.alloc_buffer((G, D), "float32", scope=SCRATCH)
-                m = T.alloc_buffer((G,), "float32", scope=SCRATCH)
-                den = T.alloc_buffer((G,), "float32", scope=SCRATCH)
-                sp = T.alloc_buffer((G, TB), "float32", scope=SCRATCH)
-                st = T.alloc_buffer((2,), "float32", scope=SCRATCH)
+                q, o, m, den, sp, st = item_scratch()
                 mx = T.alloc_buffer((1,), "float32", scope=SCRATCH)
                 b = _held("int32", bh // H_kv)
                 hk = _held("int32", bh % H_kv)
                 start(q, o, m, den, Q, b, hk * G, sm_scale)
-                begin = _held("int32", page_table_indptr[b])
-                npages = _held("int32", page_table_indptr[b + 1] - begin)
-                offset = _held("int32", _window_offset(length_info, b, npages, sliding))
-                n_keys = _held("int32", T.Select(npages > 0, (npages - 1) * PAGE
-                                           + _last_page_len(length_info, b, sliding) - offset, 0))
+                begin, npages, offset, n_keys = sequence_keys(page_table_indptr, length_info, b)
                 t_lo = _held("int32", _window_start(_window(table, sm_scale), q_rope_position[b],
                                               k_rope_pos_offset[b]))
                 over_pages(q, o, m, den, sp, st, flat, page_table_values, begin, offset, t_lo,
@@ -541,22 +546,13 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
             # few items: each sequence's keys in C page-aligned chunks attended in parallel
             state = T.alloc_buffer((B * H_kv * n_chunks(B), G, D + 2), "float32")
             for item in T.parallel(B * H_kv * n_chunks(B)):
-                q = T.alloc_buffer((G, D), "float32", scope=SCRATCH)
-                o = T.alloc_buffer((G, D), "float32", scope=SCRATCH)
-                m = T.alloc_buffer((G,), "float32", scope=SCRATCH)
-                den = T.alloc_buffer((G,), "float32", scope=SCRATCH)
-                sp = T.alloc_buffer((G, TB), "float32", scope=SCRATCH)
-                st = T.alloc_buffer((2,), "float32", scope=SCRATCH)
+                q, o, m, den, sp, st = item_scratch()
                 bh = _held("int32", item // n_chunks(B))
                 c = _held("int32", item % n_chunks(B))
                 b = _held("int32", bh // H_kv)
                 hk = _held("int32", bh % H_kv)
                 start(q, o, m, den, Q, b, hk * G, sm_scale)
-                begin = _held("int32", page_table_indptr[b])
-                npages = _held("int32", page_table_indptr[b + 1] - begin)
-                offset = _held("int32", _window_offset(length_info, b, npages, sliding))
-                n_keys = _held("int32", T.Select(npages > 0, (npages - 1) * PAGE
-                                           + _last_page_len(length_info, b, sliding) - offset, 0))
+                begin, npages, offset, n_keys = sequence_keys(page_table_indptr, length_info, b)
                 chunk = _held("int32", T.ceildiv(n_keys, n_chunks(B) * PAGE) * PAGE)
                 t_lo = _held("int32", T.max(_window_start(
                     _window(table, sm_scale), q_rope_position[b], k_rope_pos_offset[b]), c * chunk))

@@ -37,6 +37,12 @@ def _parse():
     p.add_argument("--rotate-mb", type=int, default=384,
                    help="decode cycles over weight copies totalling at least this many MB")
     p.add_argument("--only", default="", help="comma list of layer names to keep (e.g. qkv,down)")
+    p.add_argument("--gemm-tiles", default="",
+                   help="comma list of packed-GEMM register tiles MrxNv to time besides the "
+                        "CPU's default (e.g. 7x2,4x3,6x4): measures a row of schedules/cpu/microarch.py")
+    p.add_argument("--decode-streams", default="",
+                   help="comma list of decode stream counts to time the packed GEMV at (packed "
+                        "panels one row walks at once, e.g. 1,2,4)")
     p.add_argument("--cpu-time", action="store_true",
                    help="with --threads 1: time with the thread's CPU time (time.thread_time), "
                         "which a busy shared machine inflates much less than wall time")
@@ -80,7 +86,29 @@ def host_target():
     return workloads.host_target(ARGS.threads)
 
 
-def build(specs, mode):
+def tiles():
+    return [tuple(int(v) for v in t.split("x")) for t in ARGS.gemm_tiles.split(",") if t]
+
+
+def tile_label(t):
+    return t if isinstance(t, str) else "%dx%d" % t
+
+
+def schedule_pass(tile):
+    """Our CPU rules, the packed GEMM at register tile `tile` when one is given."""
+    if tile is None:
+        return cpu_schedule_pass()
+    from tvm.s_tir import dlight as dl
+
+    from schedules.cpu import cpu_rules
+    from schedules.cpu.gemm import GEMM
+
+    kw = dict(decode_streams=int(tile[1:])) if isinstance(tile, str) else dict(tile=tile)
+    rules = [GEMM(**kw) if isinstance(r, GEMM) else r for r in cpu_rules()]
+    return dl.ApplyDefaultSchedule(*rules)
+
+
+def build(specs, mode, tile=None):
     """mode: packed | rowmaj | default -> VirtualMachine with one function per spec."""
     target = host_target()
     mod = workloads.linear_suite(specs)
@@ -88,7 +116,7 @@ def build(specs, mode):
         if mode == "packed":
             mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
         if mode in ("packed", "rowmaj"):
-            mod = cpu_schedule_pass()(mod)
+            mod = schedule_pass(tile)(mod)
             bad = [k for k, f in workloads.prim_funcs(mod).items()
                    if not f.attrs.get("tirx.is_scheduled", False)]
             assert not bad, f"unscheduled kernels: {bad}"
@@ -97,7 +125,7 @@ def build(specs, mode):
             mod = relax.transform.LiftTransformParams()(mod)
     t0 = time.perf_counter()
     ex = tvm.compile(mod, target=target)
-    print(f"  built {mode} ({len(specs)} kernels) in {time.perf_counter() - t0:.1f}s", flush=True)
+    print(f"  built {mode}{' ' + tile_label(tile) if tile else ''} ({len(specs)} kernels) in {time.perf_counter() - t0:.1f}s", flush=True)
     return relax.VirtualMachine(ex, tvm.cpu())
 
 
@@ -156,6 +184,9 @@ def main():
             specs = [dict(name=f"{name}", K=K, N=N, mode=mode_arg) for name, K, N in shapes]
             print(f"{model} {phase}: building", flush=True)
             vms = {"packed": build(specs, "packed"), "rowmaj": build(specs, "rowmaj")}
+            streams = ["s" + v for v in ARGS.decode_streams.split(",") if v]
+            for t in (tiles() if phase == "prefill" else streams):
+                vms["packed:" + tile_label(t)] = build(specs, "packed", t)
             small = [s for s in specs if s["K"] * s["N"] <= 768 * 1280] if not ARGS.no_default else []
             if small:
                 vms["default"] = build(small, "default")
@@ -173,7 +204,7 @@ def main():
                 for vname, vm in vms.items():
                     if vname == "default" and not any(s["name"] == name for s in small):
                         continue
-                    if vname == "packed":
+                    if vname.startswith("packed"):
                         packed0 = vm[f"{name}_transform_params"]([tvm.runtime.tensor(w, dev)])[0]
                         ws = [packed0] + [vm[f"{name}_transform_params"](
                             [tvm.runtime.tensor(w, dev)])[0] for _ in range(ncopy - 1)]
@@ -234,6 +265,24 @@ def print_table(rows):
               f"{frac:5.2f} {best['torch'] / ours:8.2f}")
     bw = max(r[7] for r in rows)
     peak = max(r[8] for r in rows)
+    labels = [k for k in rows[0][6] if k.startswith("packed:") and not k.startswith("packed:s")] if rows else []
+    if labels:
+        print("packed GEMM GFLOP/s by register tile (prefill; 'packed' = the CPU's default):")
+        print(f"{'model':5s} {'layer':8s} {'packed':>8s} " + " ".join(f"{k[7:]:>8s}" for k in labels))
+        for model, phase, name, M, K, N, best, _, _ in rows:
+            if phase == "prefill" and all(k in best for k in labels):
+                gf = [2 * M * N * K / best[k] / 1e9 for k in ["packed"] + labels]
+                print(f"{model:5s} {name:8s} " + " ".join(f"{v:8.1f}" for v in gf))
+    dl = sorted({k for r in rows for k in r[6] if k.startswith("packed:s")}, key=lambda k: int(k[8:]))
+    if dl:
+        print("packed decode GB/s by streams (panels one row walks at once; 'packed' = the CPU's "
+              "default), rowmaj and torch:")
+        print(f"{'model':5s} {'layer':8s} {'packed':>8s} " + " ".join(f"{k[7:]:>8s}" for k in dl)
+              + f" {'rowmaj':>8s} {'torch':>8s}")
+        for model, phase, name, M, K, N, best, _, _ in rows:
+            if phase == "decode":
+                gb = [N * K * 4 / best[k] / 1e9 for k in ["packed"] + dl + ["rowmaj", "torch"]]
+                print(f"{model:5s} {name:8s} " + " ".join(f"{v:8.1f}" for v in gb))
     print(f"(best measured read bandwidth {bw:.1f} GB/s, sgemm peak {peak:.0f} GFLOP/s)")
 
 

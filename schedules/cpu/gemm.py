@@ -36,7 +36,12 @@ Why the schedule is shaped so
     * Symbolic M: rows are split by ``Mr`` and the row loop carries
       ``pragma_loop_partition_hint``, so TVM's LoopPartition emits a predicate-free main loop
       and a predicated tail. Decode (M = 1) runs only the tail: one row against each panel, a
-      streaming GEMV over the packed weight (measured faster than a dedicated Mr=1 loop).
+      streaming GEMV over the packed weight (measured faster than a dedicated Mr=1 loop on
+      znver4). Where the CPU's row asks for it (``gemm_decode_streams``, Intel: 4) a decode
+      kernel instead walks that many neighbouring panels side by side, one row at a time:
+      per k one broadcast of x and Nv FMAs on each panel, so several sequential weight
+      streams are in flight per core (1.5-1.6x the bandwidth of one on emeraldrapids). The
+      packed layout is the same as prefill's: both kernels read one weight.
     * The epilogue is computed per tile right after its k loop (``reverse_compute_at``),
       vectorized, while the tile is still in registers; the tile buffer is remapped to
       ``[m % Mr, n % PN]`` last (``assume_injective_transform``) so its size stays constant
@@ -96,7 +101,8 @@ def gemm_tile(target: Target, N: int, K: int, dtype: str = "float32"):
 class GEMM(common.CPURule):
     """Weight matmul (prefill GEMM and decode GEMV) over a packed weight panel."""
 
-    def __init__(self, prepack: str | bool = "auto", tile=None, bf16_dot: bool = True):
+    def __init__(self, prepack: str | bool = "auto", tile=None, bf16_dot: bool = True,
+                 decode_streams=None):
         """prepack: "auto" packs NT weights the build marked layout-free; True packs every NT
         weight; False never packs (NT matmuls are then left to the GEMV rule).
         tile: optional (Mr, Nv) override, for experiments.
@@ -104,6 +110,7 @@ class GEMM(common.CPURule):
         self.prepack = prepack
         self.tile = tile
         self.bf16_dot = bf16_dot
+        self.decode_streams = decode_streams  # None: the CPU's row of microarch
 
     def schedule(self, func: tirx.PrimFunc, target: Target):
         prepared = common.prepare_matmul(func)
@@ -121,7 +128,8 @@ class GEMM(common.CPURule):
             if not pack:
                 return None
         try:
-            return schedule_outer_product(sch, pat, target, pack, self.tile, self.bf16_dot)
+            return schedule_outer_product(sch, pat, target, pack, self.tile, self.bf16_dot,
+                                          self.decode_streams)
         except Exception as err:  # pylint: disable=broad-except
             if not (self.bf16_dot and uses_bf16_dot(target, pat, pack)):
                 return common.rule_failed(self, func, err)
@@ -130,18 +138,34 @@ class GEMM(common.CPURule):
         # region): the same kernel on widen-and-FMA
         sch, pat = common.prepare_matmul(func)
         try:
-            return schedule_outer_product(sch, pat, target, pack, self.tile, False)
+            return schedule_outer_product(sch, pat, target, pack, self.tile, False,
+                                          self.decode_streams)
         except Exception as err:  # pylint: disable=broad-except
             return common.rule_failed(self, func, err)
 
 
+def decode_streams(target: Target, pat: common.MatmulPattern, pn: int, wanted=None) -> int:
+    """How many packed panels one decode row walks at once (1 outside decode): the CPU row's
+    `gemm_decode_streams` (or `wanted`), reduced until the panels divide N evenly."""
+    if not pat.decode_like:
+        return 1
+    s = wanted or microarch.tile_row(target).gemm_decode_streams
+    while s > 1 and pat.N % (s * pn):
+        s //= 2
+    return max(1, s)
+
+
 def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, target: Target,
-                           pack: bool, tile=None, allow_bf16_dot: bool = True) -> s_tir.Schedule:
+                           pack: bool, tile=None, allow_bf16_dot: bool = True,
+                           streams=None) -> s_tir.Schedule:
     lanes = common.vector_lanes(target, pat.dtype)
     mr, nv = tile or gemm_tile(target, pat.N, pat.K, pat.dtype)
-    pn = nv * lanes
+    pn = nv * lanes  # the packed panel's width: the same in every kernel reading the weight
     main = sch.get_sblock(pat.block_name)
     dot = allow_bf16_dot and uses_bf16_dot(target, pat, pack) and pat.N % pn == 0
+    s = decode_streams(target, pat, pn, streams)
+    if s > 1:  # decode: one row against s neighbouring panels (s weight streams in flight)
+        mr, nv = 1, s * nv
 
     # 1. The weight: packed panels Bp[N/PN, K, PN] written by a layout-rewrite block; for
     #    vdpbf16ps Bp[N/PN, K/2, PN, 2] (the two k of a column side by side, one 32-bit lane).
@@ -202,8 +226,10 @@ def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, targe
 
     # 4. Keep the tile at Mr x PN: the rows of one tile map onto the same Mr slots. Done last,
     #    as the mapping is not injective over the whole C (tiles reuse the buffer in turn).
+    tw = nv * lanes  # the tile's width: pn, or s panels side by side in decode
+
     def tile_map(*idx):
-        return (common.m_flat_index(pat, idx[:-1]) % mr, idx[-1] % pn)
+        return (common.m_flat_index(pat, idx[:-1]) % mr, idx[-1] % tw)
 
     sch.transform_layout(main, ("write", 0), tile_map, assume_injective_transform=True)
 

@@ -14,8 +14,8 @@ Rows and where their figures come from:
 row                CPUs (LLVM names)                                           source
 =================  ==========================================================  ============
 zen4               znver4, znver5                                              measured
-intel-avx512-2fma  sapphirerapids, emeraldrapids, graniterapids, icelake-server,  reasoned
-                   cascadelake, cooperlake, skylake-avx512
+intel-avx512-2fma  sapphirerapids, emeraldrapids, graniterapids, icelake-server,  measured
+                   cascadelake, cooperlake, skylake-avx512                    (emeraldrapids)
 avx2               haswell, broadwell, skylake, alderlake, znver1-3, ...       reasoned
 neon               aarch64 (generic, neoverse-*, apple-*)                      reasoned
 =================  ==========================================================  ============
@@ -24,7 +24,19 @@ neon               aarch64 (generic, neoverse-*, apple-*)                      r
   shapes, n=128): packed GEMM 4x3 and 7x2 at 106-111 GFLOP/s (~95% of one 512-bit FMA per
   cycle); row-major GEMV-rule prefill 3x4 80 GF/s, 2x6 74, 1x8 45; decode 1x8 at torch.sum's
   bandwidth, 2x6 15% slower.
-* intel-avx512-2fma, reasoned (no such machine here): with two FMAs per cycle a 4x3 packed
+* intel-avx512-2fma, measured on an Intel Xeon (emeraldrapids, a 2-core VM whose neighbours
+  moved its sgemm peak between 150 and 290 GFLOP/s and its read bandwidth between 9 and 25 GB/s
+  within minutes; only figures of one interleaved run compare). Prefill, 1 thread, CPU time,
+  llama-110m/1b linears at n=128 (scripts/bench_kernels.py --gemm-tiles): 7x2 114-144 GF/s,
+  4x3 and 3x4 within the same noise, 14x1 57-88; every tile of 1 KiB or more (6x4, 8x3, 12x2,
+  5x4, 4x4) 46-58 GF/s (a workspace tile, see gemm.py). A k-blocked variant (each 256-k slice of
+  the panel reused from L1 by all row tiles) measured no better than the whole-K kernel. Decode
+  is where the CPUs differ: one packed panel at a time streamed 7-11 GB/s at 1 thread and 14-15
+  at 2, where 4 panels walked side by side (gemm_decode_streams, 8 accumulators, 4 sequential
+  streams in flight) streamed 12-15 and 22-25 GB/s, as fast as or faster than the row-major
+  GEMV and torch (scripts/bench_kernels.py --decode-streams 1,2,4,8: 2 and 4 alike, 8 slower);
+  a whole llama-110m decode step 1.57x faster in float32 and 1.39x in bfloat16. The reasoning
+  the row started from: with two FMAs per cycle a 4x3 packed
   tile streams 3 panel vectors (192 B) from L2 every 6 cycles, 32 B/cycle, about what those
   L2s sustain; 7x2 needs 128 B per 7 cycles (18 B/cycle), so it comes first. For the row-major
   prefill the 4x3 dot-product tile (4 x rows against 3 weight rows: 7 loads per 12 FMAs,
@@ -54,6 +66,7 @@ class TileRow:
     gemv_prefill: tuple  # (Mr, Nr): rows of x x rows of W, row-major dot products
     gemv_decode: tuple  # (1, Nr)
     measured: bool
+    gemm_decode_streams: int = 1  # packed panels one decode row walks at once (gemm.py)
 
 
 _DECODE = ((1, 8), (1, 4), (1, 2), (1, 1))
@@ -68,7 +81,7 @@ ROWS = (
              "cascadelake", "cooperlake", "skylake-avx512", "diamondrapids"), "avx512",
             gemm=((7, 2), (4, 3), (14, 1), (3, 4)),
             gemv_prefill=((4, 3), (3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),
-            gemv_decode=_DECODE, measured=False),
+            gemv_decode=_DECODE, measured=True, gemm_decode_streams=4),
     TileRow("avx512-other", ("*",), "avx512",  # client AVX-512 parts, unknown names
             gemm=((4, 3), (7, 2), (3, 4), (15, 1)),
             gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),

@@ -17,10 +17,10 @@ def _target(cpu):
                               "num-cores": 2})
 
 
-def packed_gemm_asm(cpu, K=256, N=1536):
-    """Assembly of one prefill linear over build-time packed weight panels (N divides by 48
-    and 32, so every tile of the table fits without a padded panel)."""
-    mod = workloads.linear_suite([dict(name="p", K=K, N=N, mode="prefill", epilogue=None)])
+def packed_gemm_asm(cpu, K=256, N=1536, mode="prefill"):
+    """Assembly of one prefill (or decode) linear over build-time packed weight panels (N
+    divides by 48 and 32, so every tile of the table fits without a padded panel)."""
+    mod = workloads.linear_suite([dict(name="p", K=K, N=N, mode=mode, epilogue=None)])
     mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
     target = _target(cpu)
     with target:
@@ -45,7 +45,8 @@ def test_rows_by_cpu_model():
     arm = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]})
     assert microarch.tile_row(arm).name == "neon"
     assert microarch.tile_row(_target("znver4")).measured
-    assert not microarch.tile_row(_target("sapphirerapids")).measured
+    assert microarch.tile_row(_target("sapphirerapids")).measured
+    assert not microarch.tile_row(_target("haswell")).measured
 
 
 @pytest.mark.parametrize("cpu,row", [("znver4", "zen4"), ("sapphirerapids", "intel-avx512-2fma"),
@@ -65,3 +66,25 @@ def test_assembly_follows_the_table(cpu, row):
     else:
         assert zmm == fmas
     assert (mr, nv) == {"zen4": (4, 3), "intel-avx512-2fma": (7, 2), "avx2": (6, 2)}[row]
+
+
+@pytest.mark.parametrize("cpu,streams", [("znver4", 1), ("sapphirerapids", 4)])
+def test_decode_walks_the_rows_panels_at_once(cpu, streams):
+    """A decode row (batch 1) against the packed weight runs `gemm_decode_streams` panels side
+    by side: per broadcast of x[k], Nv FMAs on each of that many panels, which lie one panel
+    (K x PN floats) apart in memory. On emeraldrapids 4 panels gave 1.5-1.6x the single-panel
+    stream's bandwidth (scripts/bench_kernels.py --decode-streams 1,2,4,8)."""
+    table = microarch.tile_row(_target(cpu))
+    assert table.gemm_decode_streams == streams
+    nv = table.gemm[0][1]
+    asm = packed_gemm_asm(cpu, mode="decode")
+    fmas, zmm, _, bcasts = fma_stats(asm)
+    assert fmas > 0 and bcasts > 0 and zmm == fmas
+    if streams == 1:
+        assert fmas == nv * bcasts, (fmas, bcasts)
+    else:
+        assert fmas == streams * nv * bcasts, (fmas, bcasts)
+        panel = 256 * nv * 16 * 4  # K x PN floats
+        offsets = {int(o) for o in re.findall(r"\bvfmadd\w*ps\s+(-?\d+)\(", asm)}
+        spans = {(b - a) // panel for a in offsets for b in offsets if b - a >= panel}
+        assert set(range(1, streams)) <= spans, sorted(offsets)

@@ -147,7 +147,7 @@ class GEMM(common.CPURule):
 def decode_streams(target: Target, pat: common.MatmulPattern, pn: int, wanted=None) -> int:
     """How many packed panels one decode row walks at once (1 outside decode): the CPU row's
     `gemm_decode_streams` (or `wanted`), reduced until the panels divide N evenly."""
-    if not pat.decode_like:
+    if not (pat.decode_like or pat.m_static == 1):  # a decode step, or prefill's last-token logits
         return 1
     s = wanted or microarch.tile_row(target).gemm_decode_streams
     while s > 1 and pat.N % (s * pn):

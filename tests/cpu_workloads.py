@@ -12,12 +12,13 @@ EPILOGUES = (None, "bias", "silu", "gelu", "residual", "silu_mul")
 
 
 def host_target(num_cores: int = 2) -> tvm.target.Target:
-    """This machine's CPU, named explicitly (TVM's "native" falls back to generic SSE)."""
-    import os
+    """This machine's CPU as the build names it (tvm_llm.targets.llvm: its LLVM name plus the
+    features its flags add or remove; TVM's "native" falls back to generic SSE)."""
+    from tvm_llm.targets.llvm import LLVMTarget
 
-    return tvm.target.Target({"kind": "llvm", "mtriple": f"{os.uname().machine}-linux-gnu",
-                              "mcpu": str(tvm.target.codegen.llvm_get_system_cpu()),
-                              "num-cores": num_cores})
+    spec = dict(LLVMTarget(None).tvm_target().export())
+    spec["num-cores"] = num_cores
+    return tvm.target.Target({k: v for k, v in spec.items() if k not in ("tag", "keys")})
 
 
 def reference_linear(x, w, epilogue, extra):

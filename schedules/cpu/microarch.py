@@ -113,6 +113,8 @@ def _matches(pattern: str, cpu: str) -> bool:
 def tile_row(target: Target) -> TileRow:
     """The table row for the target: its CPU name within its ISA, else the ISA's default."""
     isa, cpu = common.vector_isa(target), cpu_name(target)
+    if isa == "avx512" and common.has_feature("amx-tile", target):
+        cpu = "sapphirerapids"  # only Xeons have AMX, whatever model number a VM shows
     for row in ROWS:
         if row.isa in (isa, "*") and any(_matches(p, cpu) for p in row.cpus):
             return row

@@ -49,6 +49,25 @@ def test_rows_by_cpu_model():
     assert not microarch.tile_row(_target("haswell")).measured
 
 
+def test_host_features_override_a_masked_cpu_name():
+    """A VM that shows an AMX Xeon as a Rocket Lake model: the host target gains the features
+    its flags list (bf16 dot products, AMX) and the Intel server row; a feature the name implies
+    but the flags hide is switched off."""
+    from tvm_llm.targets.llvm import host_feature_attrs
+
+    rkl = set("avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512cd avx512vbmi avx512_vbmi2 "
+              "avx512ifma avx512_bitalg avx512_vpopcntdq avx512_vnni".split())
+    assert host_feature_attrs("rocketlake", rkl) == []
+    attrs = host_feature_attrs("rocketlake", rkl | {"avx512_bf16", "amx_tile", "amx_bf16"})
+    assert attrs == ["+avx512bf16", "+amx-tile", "+amx-bf16"]
+    assert host_feature_attrs("sapphirerapids", rkl - {"avx512_vnni"})[0] == "-avx512vnni"
+    assert host_feature_attrs("znver4", set()) == []  # unreadable flags: the name is trusted
+    masked = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu",
+                                "mcpu": "rocketlake", "mattr": attrs})
+    assert microarch.tile_row(masked).name == "intel-avx512-2fma"
+    assert microarch.tile_row(_target("rocketlake")).name == "avx512-other"
+
+
 @pytest.mark.parametrize("cpu,row", [("znver4", "zen4"), ("sapphirerapids", "intel-avx512-2fma"),
                                      ("haswell", "avx2")])
 def test_assembly_follows_the_table(cpu, row):

@@ -71,6 +71,39 @@ def host_cpu_flags() -> set:
     return set()
 
 
+# /proc/cpuinfo flag -> LLVM feature, for the vector features our kernels choose by
+HOST_FLAG_FEATURES = {
+    "avx2": "avx2", "fma": "fma", "f16c": "f16c",
+    "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512vl": "avx512vl", "avx512dq": "avx512dq",
+    "avx512cd": "avx512cd", "avx512vbmi": "avx512vbmi", "avx512_vbmi2": "avx512vbmi2",
+    "avx512ifma": "avx512ifma", "avx512_bitalg": "avx512bitalg",
+    "avx512_vpopcntdq": "avx512vpopcntdq", "avx512_vnni": "avx512vnni", "avx_vnni": "avxvnni",
+    "avx512_bf16": "avx512bf16", "avx512_fp16": "avx512fp16",
+    "amx_tile": "amx-tile", "amx_bf16": "amx-bf16", "amx_int8": "amx-int8",
+}
+
+
+def host_feature_attrs(cpu: str, flags: set | None = None) -> list[str]:
+    """LLVM ``mattr`` entries that make the CPU name's features the host's own: LLVM names the
+    host by its family/model number, which virtual machines may mask (an AMX Xeon VM here
+    reports a Rocket Lake model, so its name lacks AVX512-BF16, AVX512-FP16 and AMX), or a
+    hypervisor may hide features the name implies (code using them would die by SIGILL).
+    ``+f`` for a flag the kernel reports that the name lacks, ``-f`` for the reverse; nothing
+    where /proc/cpuinfo is unreadable or the host is not x86_64."""
+    import tvm
+
+    flags = host_cpu_flags() if flags is None else flags
+    if not flags or os.uname().machine != "x86_64":
+        return []
+    base = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": cpu})
+    out = []
+    for flag, feature in HOST_FLAG_FEATURES.items():
+        has = bool(tvm.target.codegen.llvm_cpu_has_features(feature, base))
+        if (flag in flags) != has:
+            out.append(("+" if flag in flags else "-") + feature)
+    return out
+
+
 def request_amx_permission() -> tuple[bool, str]:
     """Ask Linux for AMX tile state in this process (arch_prctl(ARCH_REQ_XCOMP_PERM,
     XFEATURE_XTILEDATA)): a process must do this before its first AMX instruction, and the
@@ -152,9 +185,13 @@ class LLVMTarget(TargetSpec):
             if self.cpu:
                 spec["mcpu"] = self.cpu
             return tvm.target.Target(spec)
-        return tvm.target.Target({"kind": "llvm", "mtriple": f"{self.isa_arch}-linux-gnu",
-                                  "mcpu": self.cpu or host_cpu_name(),
-                                  "num-cores": default_num_threads()})
+        spec = {"kind": "llvm", "mtriple": f"{self.isa_arch}-linux-gnu",
+                "mcpu": self.cpu or host_cpu_name(), "num-cores": default_num_threads()}
+        if self.cpu is None and self.isa_arch == os.uname().machine:  # the host itself
+            mattr = host_feature_attrs(spec["mcpu"])
+            if mattr:
+                spec["mattr"] = mattr
+        return tvm.target.Target(spec)
 
     def vector_isa(self) -> str:
         """The widest SIMD the target has: avx512, avx2, neon or sse (the rules' probe,

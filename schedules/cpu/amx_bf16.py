@@ -21,7 +21,9 @@ abort the process at instruction selection ("LLVM ERROR: Cannot select: intrinsi
 are compiled as one host module with the build's target). LLVM's x86 assembler, though,
 accepts every instruction under any CPU, so the same instructions as inline assembly build
 with the target as it is (``asm=True``); the intrinsics form (``asm=False``) builds when the
-module's target has ``+amx-tile,+amx-bf16`` (:func:`with_amx`). Both run alike.
+module's target has ``+amx-tile,+amx-bf16`` (:func:`with_amx`). Same results; the intrinsics
+form was ~8% faster (K=N=2048, M=512, 1 thread: 1006-1031 vs 928-940 GFLOP/s; LLVM unrolls
+its K loop twice, not the asm one's).
 
 The micro-kernel computes one 32 x 32 block of C over the whole K: four accumulator tiles
 (tmm0-3), two A tiles (tmm4-5, rows 0-15 and 16-31) and two B tiles (tmm6-7, columns 0-15 and

@@ -1,0 +1,195 @@
+"""AMX-BF16 GEMM (``tdpbf16ps``) for bfloat16 prefill: C[m, n] = sum_k f32(A[m, k]) * f32(W[n, k]).
+
+AMX (Sapphire Rapids and later Intel server parts) computes on eight 2-D tile registers of up
+to 16 rows x 64 bytes. ``tdpbf16ps dst, a, b`` adds to a 16 x 16 float32 tile the product of a
+16 x 32 bfloat16 tile of A (row-major) and a 32 x 16 bfloat16 tile of B stored as 16 rows of
+"k-pairs": row j holds, for each of the 16 columns, the bfloat16 values of k = 2j and 2j + 1
+side by side. That is exactly the panel the GEMM rule already packs bfloat16 weights into for
+``vdpbf16ps`` (:mod:`.bf16_dot`): ``Bp[N/PN, K/2, PN, 2]``. A B tile is therefore 16 rows of
+64 bytes at row stride ``PN * 4`` bytes, read straight from the packed weight.
+
+Why an imported LLVM function (the ``pragma_import_llvm`` mechanism of :mod:`.bf16_dot`): the
+AMX intrinsics take tile numbers as immediates and have side effects on architectural tile
+state (a tile configuration must be loaded first), which TIR cannot express; a small LLVM
+function can. Why inline assembly by default: TVM's import (``CodeGenLLVM::HandleImport``)
+makes every imported function ``alwaysinline`` + ``available_externally`` (dropping
+``noinline``), so the function's own ``"target-features"="+amx-tile,+amx-bf16"`` is lost when
+it is inlined into the TVM function, whose features are the target's; on a CPU LLVM names
+without AMX (this masked Sapphire-Rapids-class VM reports ``rocketlake``) the intrinsics then
+abort the process at instruction selection ("LLVM ERROR: Cannot select: intrinsic
+%llvm.x86.ldtilecfg"). A per-PrimFunc ``"target"`` attribute does not help (all llvm functions
+are compiled as one host module with the build's target). LLVM's x86 assembler, though,
+accepts every instruction under any CPU, so the same instructions as inline assembly build
+with the target as it is (``asm=True``); the intrinsics form (``asm=False``) builds when the
+module's target has ``+amx-tile,+amx-bf16`` (:func:`with_amx`). Same results; the intrinsics
+form was ~8% faster (K=N=2048, M=512, 1 thread: 1006-1031 vs 928-940 GFLOP/s; LLVM unrolls
+its K loop twice, not the asm one's).
+
+The micro-kernel computes one 32 x 32 block of C over the whole K: four accumulator tiles
+(tmm0-3), two A tiles (tmm4-5, rows 0-15 and 16-31) and two B tiles (tmm6-7, columns 0-15 and
+16-31), four ``tdpbf16ps`` per 32 k. The tile configuration is built on the stack per call
+with the block's *valid* row count, so rows past M are neither read from A nor written to C
+(tdpbf16ps needs dst.rows == a.rows); with <= 16 valid rows only the top tiles are used.
+The two B tiles have separate pointers, so a 32-column block may straddle two panels (PN a
+multiple of 16, e.g. 48).
+
+Use: a process must be granted AMX state first (:func:`tvm_llm.targets.llvm.
+request_amx_permission`), or its first tile instruction raises SIGILL.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm.script import tirx as T
+
+LLVM_FUNC = "tvm_llm_amx_bf16_32x32"
+FEATURE = "amx-bf16"
+BLOCK = 32  # rows and columns of C per call
+KSTEP = 32  # k per tdpbf16ps (16 pairs = 64 bytes of an A row)
+
+
+def _cfg_store(ty: str, val: str, off: int) -> str:
+    return (f"  %p{off} = getelementptr i8, ptr %cfg, i64 {off}\n"
+            f"  store {ty} {val}, ptr %p{off}\n")
+
+
+def _op(asm: bool, op: str, *args) -> str:
+    """One AMX instruction: an LLVM intrinsic call, or (asm) the same instruction as inline
+    assembly (AT&T operand order), which LLVM's x86 assembler accepts under any target CPU."""
+    if not asm:
+        ty = {"ldtilecfg": "ptr", "tilerelease": "", "tilezero": "i8", "tdpbf16ps": "i8, i8, i8",
+              "tileloadd64": "i8, ptr, i64", "tilestored64": "i8, ptr, i64"}[op].split(", ")
+        ops = ", ".join(f"{t} {a}" for t, a in zip(ty, args))
+        return f"  call void @llvm.x86.{op}({ops})\n"
+    if op in ("tileloadd64", "tilestored64"):
+        mem, t = f"(${{0:q}},${{1:q}},1)", f"%tmm{args[0]}"
+        text = f"tileloadd {mem}, {t}" if op == "tileloadd64" else f"tilestored {t}, {mem}"
+        return (f'  call void asm sideeffect "{text}", "r,r,~{{memory}}"'
+                f"(ptr {args[1]}, i64 {args[2]})\n")
+    if op == "ldtilecfg":
+        return f'  call void asm sideeffect "ldtilecfg ($0)", "r,~{{memory}}"(ptr {args[0]})\n'
+    text = {"tilerelease": "tilerelease", "tilezero": "tilezero %tmm{0}",
+            "tdpbf16ps": "tdpbf16ps %tmm{2}, %tmm{1}, %tmm{0}"}[op].format(*args)
+    return f'  call void asm sideeffect "{text}", ""()\n'
+
+
+def _loop(asm: bool, name: str, acc: list, a_tiles: int) -> str:
+    """The K loop of one variant: acc = [(dst, a, b)], A tiles tmm4(+5), B tiles tmm6, tmm7."""
+    loads = "".join(f"  %{name}pa{i} = getelementptr i8, ptr %a{i}, i64 %{name}ao\n"
+                    + _op(asm, "tileloadd64", 4 + i, f"%{name}pa{i}", "%lda")
+                    for i in range(a_tiles))
+    loads += "".join(f"  %{name}pb{i} = getelementptr i8, ptr %b{i}, i64 %{name}bo\n"
+                     + _op(asm, "tileloadd64", 6 + i, f"%{name}pb{i}", "%ldb") for i in range(2))
+    dots = "".join(_op(asm, "tdpbf16ps", d, a, b) for d, a, b in acc)
+    zero = "".join(_op(asm, "tilezero", d) for d, _, _ in acc)
+    store = "".join(_op(asm, "tilestored64", d, f"%c{d}", "%ldc") for d, _, _ in acc)
+    return f"""{name}:
+{zero}  br label %{name}loop
+{name}loop:
+  %{name}k = phi i64 [0, %{name}], [%{name}kn, %{name}loop]
+  %{name}ao = shl i64 %{name}k, 6
+  %{name}bo = mul i64 %{name}k, %bstep
+{loads}{dots}  %{name}kn = add i64 %{name}k, 1
+  %{name}more = icmp ult i64 %{name}kn, %ksteps
+  br i1 %{name}more, label %{name}loop, label %{name}end
+{name}end:
+{store}  br label %exit
+"""
+
+
+def llvm_ir(asm: bool = True) -> str:
+    """The micro-kernel @tvm_llm_amx_bf16_32x32(A, A row bytes, B cols 0-15, B cols 16-31,
+    B row bytes, C, C row bytes, K / 32, valid rows 1..32), with AMX as inline assembly
+    (asm=True) or as LLVM intrinsics (asm=False: the module's target must have +amx-tile,
+    +amx-bf16, see :func:`with_amx`)."""
+    # tiles: 0 C[0:16, 0:16], 1 C[0:16, 16:32], 2 C[16:32, 0:16], 3 C[16:32, 16:32],
+    # 4 A[0:16, k:k+32], 5 A[16:32, k:k+32], 6 B[k-pairs, 0:16], 7 B[k-pairs, 16:32]
+    cfg = _cfg_store("i8", "1", 0)
+    for t, col in enumerate(["64", "64", "%cb1", "%cb1", "64", "%cb1", "64", "64"]):
+        cfg += _cfg_store("i16", col, 16 + 2 * t)
+    for t, row in enumerate(["%r0", "%r0", "%r1", "%r1", "%r0", "%r1", "16", "16"]):
+        cfg += _cfg_store("i8", row, 48 + t)
+    full = _loop(asm, "full", [(0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7)], 2)
+    half = _loop(asm, "half", [(0, 4, 6), (1, 4, 7)], 1)
+    decls = "" if asm else """declare void @llvm.x86.ldtilecfg(ptr)
+declare void @llvm.x86.tilerelease()
+declare void @llvm.x86.tilezero(i8)
+declare void @llvm.x86.tileloadd64(i8, ptr, i64)
+declare void @llvm.x86.tilestored64(i8, ptr, i64)
+declare void @llvm.x86.tdpbf16ps(i8, i8, i8)
+"""
+    return f"""
+define linkonce_odr void @{LLVM_FUNC}(ptr %a0, i64 %lda, ptr %b0, ptr %b1, i64 %ldb, ptr %c0, i64 %ldc, i64 %ksteps, i64 %rows) #0 {{
+entry:
+  %cfg = alloca [64 x i8], align 64
+  call void @llvm.memset.p0.i64(ptr align 64 %cfg, i8 0, i64 64, i1 false)
+  %two = icmp ugt i64 %rows, 16
+  %rows8 = trunc i64 %rows to i8
+  %rest8 = sub i8 %rows8, 16
+  %r0 = select i1 %two, i8 16, i8 %rows8
+  %r1 = select i1 %two, i8 %rest8, i8 0
+  %cb1 = select i1 %two, i16 64, i16 0
+{cfg}{_op(asm, "ldtilecfg", "%cfg")}  %a16 = mul i64 %lda, 16
+  %a1 = getelementptr i8, ptr %a0, i64 %a16
+  %bstep = shl i64 %ldb, 4
+  %c1 = getelementptr i8, ptr %c0, i64 64
+  %c16 = mul i64 %ldc, 16
+  %c2 = getelementptr i8, ptr %c0, i64 %c16
+  %c3 = getelementptr i8, ptr %c2, i64 64
+  br i1 %two, label %full, label %half
+{full}{half}exit:
+{_op(asm, "tilerelease")}  ret void
+}}
+declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)
+{decls}attributes #0 = {{ nounwind "target-features"="+amx-tile,+amx-bf16" }}
+"""
+
+
+def with_amx(target: tvm.target.Target) -> tvm.target.Target:
+    """target with +amx-tile,+amx-bf16 added to mattr (for the intrinsics form)."""
+    cfg = dict(target.export())
+    cfg["mattr"] = list(cfg.get("mattr", [])) + ["+amx-tile", "+amx-bf16"]
+    return tvm.target.Target(cfg)
+
+
+def amx_bf16_matmul_func(K: int, N: int, PN: int = 32, asm: bool = True,
+                         row_chunk: int = 4) -> tvm.tirx.PrimFunc:
+    """C (float32 [M, N]) = A (bfloat16 [M, K]) @ W^T for the packed weight
+    Bp (bfloat16 [N/PN, K/2, PN, 2]), M symbolic: a parallel loop over (32-column blocks x
+    32-row blocks), row blocks inner so consecutive iterations of a thread reuse the weight
+    block from cache; each iteration is one call of the AMX micro-kernel with the block's
+    valid rows, min(32, M - 32 * mo). Needs K % 32 == 0, N % 32 == 0, PN % 16 == 0, N % PN == 0."""
+    assert K % KSTEP == 0 and N % BLOCK == 0 and PN % 16 == 0 and N % PN == 0, (K, N, PN)
+    nb = N // BLOCK
+    ir = llvm_ir(asm)
+    RC = row_chunk
+
+    @T.prim_func
+    def amx_bf16_matmul(a: T.handle, bp: T.handle, c: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        m = T.int64()
+        A = T.match_buffer(a, (m, K), "bfloat16")
+        Bp = T.match_buffer(bp, (N // PN, K // 2, PN, 2), "bfloat16")
+        C = T.match_buffer(c, (m, N), "float32")
+        mb = (m + 31) // 32
+        with T.attr(0, "pragma_import_llvm", ir):
+            # t = (chunk of RC row blocks, column block, row block in the chunk)
+            for t in T.parallel((mb + RC - 1) // RC * (nb * RC)):
+                if t // (nb * RC) * RC + t % RC < mb:
+                    T.evaluate(T.call_extern(
+                        "void", LLVM_FUNC,
+                        T.address_of(A[(t // (nb * RC) * RC + t % RC) * 32, 0]), T.int64(K * 2),
+                        T.address_of(Bp[t // RC % nb * 32 // PN, 0, t // RC % nb * 32 % PN, 0]),
+                        T.address_of(Bp[(t // RC % nb * 32 + 16) // PN, 0,
+                                        (t // RC % nb * 32 + 16) % PN, 0]),
+                        T.int64(PN * 4),
+                        T.address_of(C[(t // (nb * RC) * RC + t % RC) * 32, t // RC % nb * 32]),
+                        T.int64(N * 4), T.int64(K // KSTEP),
+                        T.min(T.int64(32), m - (t // (nb * RC) * RC + t % RC) * 32)))
+
+    return amx_bf16_matmul
+
+
+def pack_weight(w, PN: int = 32):
+    """numpy: W (bfloat16 [N, K]) -> Bp [N/PN, K/2, PN, 2] (what the GEMM rule's prepack makes)."""
+    N, K = w.shape
+    return w.reshape(N // PN, PN, K // 2, 2).transpose(0, 2, 1, 3).copy()

@@ -12,9 +12,10 @@ def _cpu_lines(target: dict) -> list:
         return []
     amx = feats.get("amx") or {}
     if amx.get("usable"):
-        amx_text = "usable (unused: no AMX kernel yet)"
+        amx_text = "yes (bfloat16 prefill matmuls on AMX tiles)"
     elif amx.get("llvm_feature") and "cpu_flag" not in amx:
-        amx_text = "in the target CPU, not probed (not this machine's CPU)"
+        amx_text = ("in the target CPU, not probed (not this machine's CPU): bfloat16 prefill "
+                    "matmuls on AMX tiles")
     else:
         why = [k for k, v in (("no LLVM feature amx-bf16", amx.get("llvm_feature")),
                               ("no CPU flag amx_bf16", amx.get("cpu_flag", True))) if not v]

@@ -151,42 +151,58 @@ def with_amx(target: tvm.target.Target) -> tvm.target.Target:
     return tvm.target.Target(cfg)
 
 
-def amx_bf16_matmul_func(K: int, N: int, PN: int = 32, asm: bool = True,
-                         row_chunk: int = 4) -> tvm.tirx.PrimFunc:
+def amx_nest(A, Bp, C, m, asm: bool = False, row_chunk: int = 4) -> tvm.tirx.Stmt:
     """C (float32 [M, N]) = A (bfloat16 [M, K]) @ W^T for the packed weight
-    Bp (bfloat16 [N/PN, K/2, PN, 2]), M symbolic: a parallel loop over (32-column blocks x
-    32-row blocks), row blocks inner so consecutive iterations of a thread reuse the weight
-    block from cache; each iteration is one call of the AMX micro-kernel with the block's
-    valid rows, min(32, M - 32 * mo). Needs K % 32 == 0, N % 32 == 0, PN % 16 == 0, N % PN == 0."""
+    Bp (bfloat16 [N/PN, K/2, PN, 2]), M = `m` symbolic: a parallel loop over (32-column blocks x
+    32-row blocks), `row_chunk` row blocks inner so consecutive iterations of a thread reuse the
+    weight block from cache; each iteration is one call of the AMX micro-kernel with the
+    block's valid rows, min(32, M - 32 * mo). A and C may have leading unit dims (the model's
+    [1, n, K]). Needs K % 32 == 0, N % 32 == 0, PN % 16 == 0, N % PN == 0.
+    Built from TIR nodes, not TVMScript, so the GEMM rule can put it into a scheduled kernel
+    whose buffers and M it must reuse (:mod:`.amx_prefill`)."""
+    from tvm import tirx
+
+    K, N, PN = (int(x) for x in (A.shape[-1], C.shape[-1], Bp.shape[2]))
     assert K % KSTEP == 0 and N % BLOCK == 0 and PN % 16 == 0 and N % PN == 0, (K, N, PN)
-    nb = N // BLOCK
-    ir = llvm_ir(asm)
-    RC = row_chunk
+    i64 = lambda v: tirx.IntImm("int64", v)  # noqa: E731
+    m = tirx.Cast("int64", m) if m.ty.dtype != "int64" else m
+    nb, rc = N // BLOCK, row_chunk
+    mb = tirx.floordiv(m + i64(BLOCK - 1), i64(BLOCK))
+    t = tirx.Var("t", "int64")
+    row = tirx.floordiv(t, i64(nb * rc)) * i64(rc) + tirx.floormod(t, i64(rc))  # row block
+    col = tirx.floormod(tirx.floordiv(t, i64(rc)), i64(nb)) * i64(BLOCK)  # first column
 
-    @T.prim_func
-    def amx_bf16_matmul(a: T.handle, bp: T.handle, c: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        m = T.int64()
-        A = T.match_buffer(a, (m, K), "bfloat16")
-        Bp = T.match_buffer(bp, (N // PN, K // 2, PN, 2), "bfloat16")
-        C = T.match_buffer(c, (m, N), "float32")
-        mb = (m + 31) // 32
-        with T.attr(0, "pragma_import_llvm", ir):
-            # t = (chunk of RC row blocks, column block, row block in the chunk)
-            for t in T.parallel((mb + RC - 1) // RC * (nb * RC)):
-                if t // (nb * RC) * RC + t % RC < mb:
-                    T.evaluate(T.call_extern(
-                        "void", LLVM_FUNC,
-                        T.address_of(A[(t // (nb * RC) * RC + t % RC) * 32, 0]), T.int64(K * 2),
-                        T.address_of(Bp[t // RC % nb * 32 // PN, 0, t // RC % nb * 32 % PN, 0]),
-                        T.address_of(Bp[(t // RC % nb * 32 + 16) // PN, 0,
-                                        (t // RC % nb * 32 + 16) % PN, 0]),
-                        T.int64(PN * 4),
-                        T.address_of(C[(t // (nb * RC) * RC + t % RC) * 32, t // RC % nb * 32]),
-                        T.int64(N * 4), T.int64(K // KSTEP),
-                        T.min(T.int64(32), m - (t // (nb * RC) * RC + t % RC) * 32)))
+    def at(buf, *idx):
+        lead = [i64(0)] * (len(buf.shape) - len(idx))
+        return tirx.call_intrin("handle", "tirx.address_of", tirx.BufferLoad(buf, lead + list(idx)))
 
-    return amx_bf16_matmul
+    def panel(n):
+        return at(Bp, tirx.floordiv(n, i64(PN)), i64(0), tirx.floormod(n, i64(PN)), i64(0))
+
+    call = tirx.call_extern(
+        "void", LLVM_FUNC, at(A, row * i64(BLOCK), i64(0)), i64(K * 2),
+        panel(col), panel(col + i64(16)), i64(PN * 4),
+        at(C, row * i64(BLOCK), col), i64(N * 4), i64(K // KSTEP),
+        tirx.min(i64(BLOCK), m - row * i64(BLOCK)))
+    body = tirx.IfThenElse(row < mb, tirx.Evaluate(call), None)
+    loop = tirx.For(t, i64(0), tirx.floordiv(mb + i64(rc - 1), i64(rc)) * i64(nb * rc),
+                    tirx.ForKind.PARALLEL, body)
+    return tirx.AttrStmt(tirx.IntImm("int32", 0), "pragma_import_llvm",
+                         tvm.ir.StringImm(llvm_ir(asm)), loop)
+
+
+def amx_bf16_matmul_func(K: int, N: int, PN: int = 32, asm: bool = False,
+                         row_chunk: int = 4) -> tvm.tirx.PrimFunc:
+    """The AMX product alone as a kernel (tests, bench): A [M, K] bfloat16, Bp, C [M, N]."""
+    from tvm import tirx
+
+    m = tirx.Var("m", "int64")
+    A = tirx.decl_buffer((m, K), "bfloat16", "A")
+    Bp = tirx.decl_buffer((N // PN, K // 2, PN, 2), "bfloat16", "Bp")
+    C = tirx.decl_buffer((m, N), "float32", "C")
+    body = amx_nest(A, Bp, C, m, asm, row_chunk)
+    return tirx.PrimFunc([A, Bp, C], body).with_attr(
+        {"global_symbol": "amx_bf16_matmul", "tirx.noalias": True})
 
 
 def pack_weight(w, PN: int = 32):

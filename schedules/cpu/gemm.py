@@ -57,7 +57,7 @@ import tvm
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from . import bf16_dot, common, microarch
+from . import amx_prefill, bf16_dot, common, microarch
 
 LAYOUT_REWRITE_ATTR = "meta_schedule.layout_rewrite_preproc"
 
@@ -155,6 +155,24 @@ def decode_streams(target: Target, pat: common.MatmulPattern, pn: int, wanted=No
     return max(1, s)
 
 
+def pack_weight(sch: s_tir.Schedule, main, pat: common.MatmulPattern, pn: int, dot: bool):
+    """The packed weight, written by a layout-rewrite block that the build lifts out: every
+    kernel reading one weight (prefill, decode, AMX prefill) must pack it alike."""
+    rw = sch.cache_read(main, pat.b_index, "global")
+    sch.annotate(rw, LAYOUT_REWRITE_ATTR, True)
+    pad = None if pat.N % pn == 0 else 0.0
+    if dot:
+        imap = lambda n, k: (n // pn, k // 2, n % pn, k % 2)  # noqa: E731
+    elif pat.b_transposed:
+        imap = lambda n, k: (n // pn, k, n % pn)  # noqa: E731
+    else:
+        imap = lambda k, n: (n // pn, k, n % pn)  # noqa: E731
+    sch.transform_layout(main, ("read", pat.b_index), imap, pad_value=pad)
+    rl = sch.get_loops(rw)
+    if len(rl) >= 1:
+        sch.parallel(rl[0])
+
+
 def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, target: Target,
                            pack: bool, tile=None, allow_bf16_dot: bool = True,
                            streams=None) -> s_tir.Schedule:
@@ -163,6 +181,8 @@ def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, targe
     pn = nv * lanes  # the packed panel's width: the same in every kernel reading the weight
     main = sch.get_sblock(pat.block_name)
     dot = allow_bf16_dot and uses_bf16_dot(target, pat, pack) and pat.N % pn == 0
+    if dot and amx_prefill.usable(target, pat, pn, sch.mod["main"]):
+        return amx_prefill.schedule(sch, pat, target, pn)
     s = decode_streams(target, pat, pn, streams)
     if s > 1:  # decode: one row against s neighbouring panels (s weight streams in flight)
         mr, nv = 1, s * nv
@@ -170,19 +190,7 @@ def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, targe
     # 1. The weight: packed panels Bp[N/PN, K, PN] written by a layout-rewrite block; for
     #    vdpbf16ps Bp[N/PN, K/2, PN, 2] (the two k of a column side by side, one 32-bit lane).
     if pack:
-        rw = sch.cache_read(main, pat.b_index, "global")
-        sch.annotate(rw, LAYOUT_REWRITE_ATTR, True)
-        pad = None if pat.N % pn == 0 else 0.0
-        if dot:
-            imap = lambda n, k: (n // pn, k // 2, n % pn, k % 2)  # noqa: E731
-        elif pat.b_transposed:
-            imap = lambda n, k: (n // pn, k, n % pn)  # noqa: E731
-        else:
-            imap = lambda k, n: (n // pn, k, n % pn)  # noqa: E731
-        sch.transform_layout(main, ("read", pat.b_index), imap, pad_value=pad)
-        rl = sch.get_loops(rw)
-        if len(rl) >= 1:
-            sch.parallel(rl[0])
+        pack_weight(sch, main, pat, pn, dot)
 
     # 2. The accumulator tile: the epilogue's input, or a cache of the output.
     if pat.epilogue:

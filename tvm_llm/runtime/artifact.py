@@ -243,6 +243,24 @@ def check_library(path: str, manifest: dict) -> None:
         raise UserError(f"{path}: the TVM runtime cannot load it ({first}); {hint}") from None
 
 
+def check_amx(manifest: dict) -> None:
+    """A bfloat16 build for an AMX CPU runs its prefill matmuls on AMX tiles: Linux must grant
+    this process the tile state before the first tile instruction, which would otherwise end
+    the process with SIGILL. Asks for it; a clear error where it is refused."""
+    from ..errors import UserError
+
+    amx = (manifest["target"].get("cpu_features") or {}).get("amx") or {}
+    if manifest.get("dtype") != "bfloat16" or not amx.get("llvm_feature"):
+        return
+    from .cpu_probe import request_amx_permission
+
+    granted, why = request_amx_permission()
+    if not granted:
+        raise UserError(f"this bfloat16 build uses AMX tiles, and Linux gives this process none "
+                        f"({why}: no AMX in this CPU, or a kernel older than 5.16); rebuild it "
+                        "on this machine, or with --arch naming a CPU without AMX")
+
+
 def check_tokenizer(path: str) -> None:
     from ..errors import UserError
 

@@ -9,6 +9,7 @@ import os
 from .registry import register_target
 from .base import TargetSpec
 from ..errors import UserError
+from ..runtime.cpu_probe import host_cpu_flags, request_amx_permission
 
 CROSS_TRIPLES = {"aarch64": "aarch64-linux-gnu", "x86_64": "x86_64-linux-gnu"}
 
@@ -54,23 +55,6 @@ def parse_arch(arch: str | None) -> tuple[str, str | None]:
                     "skylake-avx512, haswell, ...) or ARCH:CPU (aarch64:neoverse-v1)")
 
 
-ARCH_REQ_XCOMP_PERM = 0x1023  # arch_prctl code (Linux >= 5.16, asm/prctl.h)
-XFEATURE_XTILEDATA = 18  # the AMX tile data state component
-SYS_ARCH_PRCTL_X86_64 = 158
-
-
-def host_cpu_flags() -> set:
-    """The kernel's feature flags of this CPU (/proc/cpuinfo), empty where unreadable."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 # /proc/cpuinfo flag -> LLVM feature, for the vector features our kernels choose by
 HOST_FLAG_FEATURES = {
     "avx2": "avx2", "fma": "fma", "f16c": "f16c",
@@ -81,6 +65,9 @@ HOST_FLAG_FEATURES = {
     "avx512_bf16": "avx512bf16", "avx512_fp16": "avx512fp16",
     "amx_tile": "amx-tile", "amx_bf16": "amx-bf16", "amx_int8": "amx-int8",
 }
+
+
+AMX_FLAGS = {"amx_tile", "amx_bf16", "amx_int8"}
 
 
 def host_feature_attrs(cpu: str, flags: set | None = None) -> list[str]:
@@ -104,28 +91,10 @@ def host_feature_attrs(cpu: str, flags: set | None = None) -> list[str]:
     return out
 
 
-def request_amx_permission() -> tuple[bool, str]:
-    """Ask Linux for AMX tile state in this process (arch_prctl(ARCH_REQ_XCOMP_PERM,
-    XFEATURE_XTILEDATA)): a process must do this before its first AMX instruction, and the
-    kernel refuses it on CPUs without AMX, on kernels older than 5.16, or when the tile state
-    does not fit the signal stack. Returns (granted, why)."""
-    import ctypes
-    import errno
-
-    if os.uname().machine != "x86_64" or not os.uname().sysname == "Linux":
-        return False, "not x86_64 Linux"
-    libc = ctypes.CDLL(None, use_errno=True)
-    rc = libc.syscall(SYS_ARCH_PRCTL_X86_64, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
-    if rc == 0:
-        return True, "granted"
-    err = ctypes.get_errno()
-    return False, f"refused ({errno.errorcode.get(err, err)})"
-
-
 def amx_status(target) -> dict:
-    """AMX-BF16 availability for a build: the target CPU's LLVM feature, and for the host the
-    kernel's CPU flag and the permission request. No kernel uses AMX yet (no machine here
-    has it to test one on); this is what a future AMX prefill GEMM would check first."""
+    """AMX-BF16 availability for a build: the target CPU's LLVM feature (with it, bfloat16
+    prefill matmuls run on AMX tiles: schedules/cpu/amx_prefill.py), and for the host the
+    kernel's CPU flag and the permission request."""
     from schedules.cpu.common import has_feature
 
     status = {"llvm_feature": has_feature("amx-bf16", target)}
@@ -188,7 +157,10 @@ class LLVMTarget(TargetSpec):
         spec = {"kind": "llvm", "mtriple": f"{self.isa_arch}-linux-gnu",
                 "mcpu": self.cpu or host_cpu_name(), "num-cores": default_num_threads()}
         if self.cpu is None and self.isa_arch == os.uname().machine:  # the host itself
-            mattr = host_feature_attrs(spec["mcpu"])
+            flags = host_cpu_flags()
+            if flags & AMX_FLAGS and not request_amx_permission()[0]:
+                flags = flags - AMX_FLAGS  # AMX code would die by SIGILL in this process
+            mattr = host_feature_attrs(spec["mcpu"], flags)
             if mattr:
                 spec["mattr"] = mattr
         return tvm.target.Target(spec)

@@ -15,7 +15,8 @@ row                CPUs (LLVM names)                                           s
 =================  ==========================================================  ============
 zen4               znver4, znver5                                              measured
 intel-avx512-2fma  sapphirerapids, emeraldrapids, graniterapids, icelake-server,  measured
-                   cascadelake, cooperlake, skylake-avx512                    (emeraldrapids)
+                   cascadelake, cooperlake, skylake-avx512; any CPU with AMX   (emeraldrapids)
+                   (a VM may mask a Xeon's model: LLVM then names it rocketlake)
 avx2               haswell, broadwell, skylake, alderlake, znver1-3, ...       reasoned
 neon               aarch64 (generic, neoverse-*, apple-*)                      reasoned
 =================  ==========================================================  ============

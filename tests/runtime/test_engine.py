@@ -164,3 +164,27 @@ def test_weights_uploaded_into_the_huge_page_arena_keep_their_bytes(tmp_path, mo
         np.testing.assert_array_equal(t.numpy(), a)
     if offered:
         assert huge_kb() >= before + 2048
+
+
+def test_amx_build_asks_for_the_tile_state_and_refusal_is_a_user_error(monkeypatch):
+    """A bfloat16 build whose target has AMX runs prefill on tiles: the engine asks Linux for the
+    tile state before loading it, and a refusal is a clear UserError, not a SIGILL later. Float32
+    builds and targets without AMX ask nothing."""
+    from tvm_llm.errors import UserError
+    from tvm_llm.runtime import artifact, cpu_probe
+
+    asked = []
+
+    def refuse():
+        asked.append(1)
+        return False, "refused (EINVAL)"
+
+    monkeypatch.setattr(cpu_probe, "request_amx_permission", refuse)
+    amx = {"target": {"cpu_features": {"amx": {"llvm_feature": True}}}, "dtype": "bfloat16"}
+    with pytest.raises(UserError, match=r"uses AMX tiles.*refused \(EINVAL\).*rebuild"):
+        artifact.check_amx(amx)
+    artifact.check_amx({**amx, "dtype": "float32"})
+    artifact.check_amx({"target": {"cpu_features": {"amx": {"llvm_feature": False}}},
+                        "dtype": "bfloat16"})
+    artifact.check_amx({"target": {"device_type": "cuda"}, "dtype": "bfloat16"})
+    assert asked == [1]

@@ -40,12 +40,11 @@ def usable(target: Target, pat: common.MatmulPattern, pn: int, func: tirx.PrimFu
     return common.param_index(func, a) >= 0 and common.const_int(a.shape[-1]) == pat.K
 
 
-def schedule(sch: s_tir.Schedule, pat: common.MatmulPattern, target: Target,
-             pn: int) -> s_tir.Schedule:
-    from .gemm import pack_weight
-
+def schedule(sch: s_tir.Schedule, pat: common.MatmulPattern, target: Target, pn: int,
+             pack_weight) -> s_tir.Schedule:
+    """`pack_weight(sch, main)`: the GEMM rule's packing of the weight (shared with decode)."""
     main = sch.get_sblock(pat.block_name)
-    pack_weight(sch, main, pat, pn, dot=True)
+    pack_weight(sch, main)
     lanes = common.vector_lanes(target)
     if pat.epilogue:
         sch.set_scope(main, 0, "global")  # C: a float32 workspace the epilogue reads

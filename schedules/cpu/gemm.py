@@ -182,7 +182,8 @@ def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, targe
     main = sch.get_sblock(pat.block_name)
     dot = allow_bf16_dot and uses_bf16_dot(target, pat, pack) and pat.N % pn == 0
     if dot and amx_prefill.usable(target, pat, pn, sch.mod["main"]):
-        return amx_prefill.schedule(sch, pat, target, pn)
+        return amx_prefill.schedule(sch, pat, target, pn,
+                                    lambda s, blk: pack_weight(s, blk, pat, pn, dot=True))
     s = decode_streams(target, pat, pn, streams)
     if s > 1:  # decode: one row against s neighbouring panels (s weight streams in flight)
         mr, nv = 1, s * nv

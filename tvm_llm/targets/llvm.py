@@ -118,6 +118,8 @@ def llvm_hw_key(target) -> str:
     if arch == "arm64":
         arch = "aarch64"
     cpu = str(target.attrs.get("mcpu", "") or "") or "generic"
+    if "+amx-tile" in [str(a) for a in target.attrs.get("mattr", []) or []]:
+        cpu += "+amx"  # a masked model (an AMX Xeon named rocketlake): not that CPU's logs
     isa = "neon" if arch == "aarch64" else vector_isa(target)
     return f"cpu-{arch}-{cpu}-{'sse' if isa == 'generic' else isa}"
 

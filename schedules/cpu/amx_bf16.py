@@ -11,7 +11,9 @@ side by side. That is exactly the panel the GEMM rule already packs bfloat16 wei
 Why an imported LLVM function (the ``pragma_import_llvm`` mechanism of :mod:`.bf16_dot`): the
 AMX intrinsics take tile numbers as immediates and have side effects on architectural tile
 state (a tile configuration must be loaded first), which TIR cannot express; a small LLVM
-function can. Why inline assembly by default: TVM's import (``CodeGenLLVM::HandleImport``)
+function can. Why the intrinsics need AMX in the build's target (the GEMM rule only takes
+this path on such a target, so kernels use the intrinsics, ``asm=False``), and why an inline
+assembly form exists: TVM's import (``CodeGenLLVM::HandleImport``)
 makes every imported function ``alwaysinline`` + ``available_externally`` (dropping
 ``noinline``), so the function's own ``"target-features"="+amx-tile,+amx-bf16"`` is lost when
 it is inlined into the TVM function, whose features are the target's; on a CPU LLVM names
@@ -21,7 +23,8 @@ abort the process at instruction selection ("LLVM ERROR: Cannot select: intrinsi
 are compiled as one host module with the build's target). LLVM's x86 assembler, though,
 accepts every instruction under any CPU, so the same instructions as inline assembly build
 with the target as it is (``asm=True``); the intrinsics form (``asm=False``) builds when the
-module's target has ``+amx-tile,+amx-bf16`` (:func:`with_amx`). Same results; the intrinsics
+module's target has ``+amx-tile,+amx-bf16`` (the host target has them where the CPU flags
+and Linux allow AMX; :func:`with_amx` adds them). Same results; the intrinsics
 form was ~8% faster (K=N=2048, M=512, 1 thread: 1006-1031 vs 928-940 GFLOP/s; LLVM unrolls
 its K loop twice, not the asm one's).
 

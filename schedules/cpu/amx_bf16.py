@@ -36,13 +36,13 @@ with the block's *valid* row count, so rows past M are neither read from A nor w
 The two B tiles have separate pointers, so a 32-column block may straddle two panels (PN a
 multiple of 16, e.g. 48).
 
-Use: a process must be granted AMX state first (:func:`tvm_llm.targets.llvm.
-request_amx_permission`), or its first tile instruction raises SIGILL.
+Use: a process must be granted AMX state first (:func:`tvm_llm.runtime.cpu_probe.
+request_amx_permission`; the engine and the host target ask), or its first tile instruction
+raises SIGILL.
 """
 from __future__ import annotations
 
 import tvm
-from tvm.script import tirx as T
 
 LLVM_FUNC = "tvm_llm_amx_bf16_32x32"
 FEATURE = "amx-bf16"

@@ -23,11 +23,11 @@ from tvm.target import Target
 from . import amx_bf16, common
 
 
-def usable(target: Target, pat: common.MatmulPattern, pn: int, func: tirx.PrimFunc) -> bool:
+def usable(target: Target, pat: common.MatmulPattern, pn: int, sch: s_tir.Schedule) -> bool:
     """Whether the kernel takes the AMX path: AMX-BF16 in the target, bfloat16 A and B with a
     float32 C, a prefill (symbolic M, not a decode step), 16-column-aligned panels, N and K
     multiples of 32, and A a plain kernel parameter (no prologue computes it in the kernel)."""
-    if not (common.has_feature("amx-bf16", target) and common.has_feature("amx-tile", target)):
+    if not all(common.has_feature(f, target) for f in (amx_bf16.FEATURE, "amx-tile")):
         return False
     if pat.input_dtype != "bfloat16" or pat.dtype != "float32" or not pat.b_transposed:
         return False
@@ -35,9 +35,8 @@ def usable(target: Target, pat: common.MatmulPattern, pn: int, func: tirx.PrimFu
         return False
     if pn % 16 or pat.N % pn or pat.N % amx_bf16.BLOCK or pat.K % amx_bf16.KSTEP:
         return False
-    probe = s_tir.Schedule(func)
-    a = probe.get(probe.get_sblock(pat.block_name)).reads[pat.a_index].source
-    return common.param_index(func, a) >= 0 and common.const_int(a.shape[-1]) == pat.K
+    a = sch.get(sch.get_sblock(pat.block_name)).reads[pat.a_index].source
+    return common.param_index(sch.mod["main"], a) >= 0 and common.const_int(a.shape[-1]) == pat.K
 
 
 def schedule(sch: s_tir.Schedule, pat: common.MatmulPattern, target: Target, pn: int,

@@ -181,7 +181,7 @@ def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, targe
     pn = nv * lanes  # the packed panel's width: the same in every kernel reading the weight
     main = sch.get_sblock(pat.block_name)
     dot = allow_bf16_dot and uses_bf16_dot(target, pat, pack) and pat.N % pn == 0
-    if dot and amx_prefill.usable(target, pat, pn, sch.mod["main"]):
+    if dot and amx_prefill.usable(target, pat, pn, sch):
         return amx_prefill.schedule(sch, pat, target, pn,
                                     lambda s, blk: pack_weight(s, blk, pat, pn, dot=True))
     s = decode_streams(target, pat, pn, streams)

@@ -262,8 +262,10 @@ def test_api_key_missing_template_and_full_queue(chat_build, tmp_path):
         with pytest.raises(BadRequestError, match="no chat template"):
             client.chat.completions.create(model=s.model, max_tokens=2,
                                            messages=[{"role": "user", "content": "hi"}])
-        # one running, one waiting: the next request is turned away with 429 and Retry-After
-        long = {"model": s.model, "prompt": "a b c", "max_tokens": 300, "ignore_eos": True}
+        # one running, one waiting: the next request is turned away with 429 and Retry-After.
+        # The long request fills most of the 512-token context, so it is still running when the
+        # second one arrives (at 300 tokens a fast CPU once finished it first: a race)
+        long = {"model": s.model, "prompt": "a b c", "max_tokens": 500, "ignore_eos": True}
         auth = {"Authorization": "Bearer sesame"}
         results = []
         runs = [threading.Thread(target=lambda: results.append(

@@ -129,11 +129,17 @@ class WeightFormat:
         N, K = w.shape
         NG = K // GROUP
         x = w.reshape(N * NG, GROUP)
+        uniform = importance_is_uniform(imp)
+        lo, hi = self.qrange
+        if self.kind == "kquant":  # compiled for this machine (kquant_search.py)
+            from .kquant_search import quantize_blocks
+
+            return quantize_blocks(x, None if uniform else imp, N, K, hi,
+                                   kquant_numerators(hi), super_groups(K))
         # uniform importance: no weights at all (multiplying by 1 is exact, so the same bytes
         # come out; the searches below make ~25 passes over their (rows, 32) temporaries)
-        wt = None if importance_is_uniform(imp) else \
+        wt = None if uniform else \
             np.broadcast_to(imp.reshape(1, NG, GROUP), (N, NG, GROUP)).reshape(N * NG, GROUP)
-        lo, hi = self.qrange
         if self.kind == "sym" and self.bits == 8 and wt is None:
             q, d = _absmax_symmetric(x, hi)
             return {"q": q.astype(np.int8).reshape(N, K),
@@ -142,8 +148,6 @@ class WeightFormat:
             q, d = _search_symmetric(x, wt, lo, hi)
             return {"q": q.astype(np.int8).reshape(N, K),
                     "d": d.astype(np.float16).reshape(N, NG)}
-        if self.kind == "kquant":
-            return _quantize_kquant(x, wt, N, K, hi)
         q, d, m = _search_asymmetric(x, wt, hi)
         return {"q": q.astype(np.uint8).reshape(N, K), "d": d.astype(np.float16).reshape(N, NG),
                 "m": m.astype(np.float16).reshape(N, NG)}
@@ -287,6 +291,13 @@ def _search_asymmetric(x, wt, nmax):
 KQUANT_STEPS = tuple(range(0, 21, 2))
 
 
+def kquant_numerators(nmax: int) -> tuple:
+    """q4_k's candidate inverse scales as numerators over a block's range, float32: the plain
+    grid's nmax, then nmax - 1 + 0.1 i for i in KQUANT_STEPS."""
+    return (np.float32(nmax),) + tuple(np.float32(np.float32(-1 + 0.1 * i) + nmax)
+                                       for i in KQUANT_STEPS)
+
+
 _TORCH_THREADS = {"users": 0, "before": None}
 _TORCH_THREADS_LOCK = threading.Lock()
 
@@ -315,8 +326,10 @@ def one_torch_thread():
                 torch.set_num_threads(_TORCH_THREADS["before"])
 
 
-def _quantize_kquant(x, wt, N: int, K: int, nmax: int) -> dict:
-    """q4_k's stored arrays for the blocks x (N * K/32, 32): the first-level (d, m) search
+def quantize_kquant_torch(x, wt, N: int, K: int, nmax: int) -> dict:
+    """The reference form of q4_k's search (the build runs kquant_search's compiled one, ~10x
+    less CPU; tests compare the two). q4_k's stored arrays for the blocks x (N * K/32, 32):
+    the first-level (d, m) search
     (_search_asymmetric's arithmetic with the minimum kept <= 0, over KQUANT_STEPS) and the
     6-bit second level (super-block scales, floor/ceil codes, the weights re-rounded).
 
@@ -349,13 +362,13 @@ def _quantize_kquant(x, wt, N: int, K: int, nmax: int) -> dict:
     sx = wsum(X)
     sxx, sx64, sw64 = wsum(X, X).double(), sx.double(), sw.double()
     q = torch.empty_like(X)
-    steps = (None,) + KQUANT_STEPS
+    numerators = kquant_numerators(nmax)
     # one rounding and three sums over the weights per candidate; the least-squares fit, the
     # error and the choice once for all candidates on (candidates, blocks) arrays
-    iscale = torch.empty((len(steps), X.shape[1]))
+    iscale = torch.empty((len(numerators), X.shape[1]))
     sl, sl2, sxl = (torch.empty_like(iscale) for _ in range(3))
-    for c, i in enumerate(steps):
-        iscale[c] = np.float32(nmax) / safe if i is None else (np.float32(-1 + 0.1 * i) + nmax) / safe
+    for c, numerator in enumerate(numerators):
+        iscale[c] = numerator / safe
         torch.mul(xc, iscale[c], out=q)
         torch.clamp_(torch.round_(q), max=nmax)
         sl[c], sl2[c], sxl[c] = wsum(q), wsum(q, q), wsum(X, q)

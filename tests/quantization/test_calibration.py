@@ -150,3 +150,16 @@ def test_bad_calibration_options_are_one_line_errors(checkpoint, tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and message in err[-1] and err[-1].startswith("tvm-llm: error:")
     assert not os.path.exists(out)
+
+
+def test_fast_activation_round_trip_equals_the_kernels_reference():
+    """The scale search's torch activation round trip gives formats.fake_quantize_activation's
+    values bit for bit (zero blocks, outliers, ties at .5 included)."""
+    from tvm_llm.quantization.formats import fake_quantize_activation
+
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((37, 256)) * rng.exponential(1.0, (1, 256))).astype(np.float32)
+    x[0, :32] = 0.0
+    x[1, 32:64] = np.arange(32, dtype=np.float32) - 15.5  # many products near .5
+    x[2, 64] = 3e4
+    assert np.array_equal(C.fast_activation_round_trip(x), fake_quantize_activation(x))

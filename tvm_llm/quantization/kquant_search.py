@@ -7,11 +7,12 @@ blocks at a time (one block per vector lane) are searched in registers and the c
 every candidate's rounding, its three sums, the least-squares fit and its error, then the
 second level's four code pairs.
 
-Compiled once per process with TVM for the host CPU (targets.llvm: the machine running the
-build, not necessarily the build's target). Float semantics follow the torch form: float32
-sums and fits, float64 errors, round half to even, ties to the earlier candidate. Its sums over
-a block's 32 weights run in another order, so a code can differ where two candidates tie
-within float rounding (tests/quantization/test_kquant_search.py bounds that)."""
+Compiled once per process with TVM for the host CPU (runtime/cpu_probe.host_target: the
+machine running the build, not necessarily the build's target). Float semantics follow the
+torch form: float32 sums and fits, float64 errors, round half to even, ties to the earlier
+candidate. Its sums over a block's 32 weights run in another order, so a code can differ where
+two candidates tie within float rounding (tests/quantization/test_kquant_search.py bounds
+that)."""
 from __future__ import annotations
 
 import threading
@@ -229,13 +230,13 @@ def compiled(nmax: int, numerators: tuple, weighted: bool) -> dict:
         if key not in _COMPILED:
             import tvm
 
-            from ..targets.llvm import LLVMTarget
+            from ..runtime.cpu_probe import host_target
 
             first, second = _kernels(nmax, len(key[1]), weighted)
             mod = tvm.IRModule({"kquant_first": first.with_attr("global_symbol", "kquant_first"),
                                 "kquant_second": second.with_attr("global_symbol",
                                                                   "kquant_second")})
-            ex = tvm.compile(mod, target=LLVMTarget(None).tvm_target())
+            ex = tvm.compile(mod, target=host_target())
             _COMPILED[key] = {"first": ex["kquant_first"], "second": ex["kquant_second"],
                               "module": ex}
         return _COMPILED[key]

@@ -1,6 +1,7 @@
-"""What this CPU and OS let a process run: the kernel's CPU flags and the AMX permission. Used
-by the build (which kernels the host target gets) and by the runtime (a build with AMX kernels
-asks for the tile state before its first call)."""
+"""What this CPU and OS let a process run: the kernel's CPU flags, the AMX permission, and the
+LLVM target that describes this CPU. Used by the build (the host target: targets/llvm.py; the
+build machine's own helper kernels: quantization/kquant_search.py) and by the runtime (a build
+with AMX kernels asks for the tile state before its first call)."""
 from __future__ import annotations
 
 import os
@@ -38,3 +39,64 @@ def request_amx_permission() -> tuple[bool, str]:
         return True, "granted"
     err = ctypes.get_errno()
     return False, f"refused ({errno.errorcode.get(err, err)})"
+
+
+def host_cpu_name() -> str:
+    """LLVM's name for this CPU (e.g. znver4, sapphirerapids). TVM's "native" falls back to
+    generic SSE code, so the build always names the CPU explicitly."""
+    import tvm
+
+    return str(tvm.target.codegen.llvm_get_system_cpu())
+
+
+# /proc/cpuinfo flag -> LLVM feature, for the vector features our kernels choose by
+HOST_FLAG_FEATURES = {
+    "avx2": "avx2", "fma": "fma", "f16c": "f16c",
+    "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512vl": "avx512vl", "avx512dq": "avx512dq",
+    "avx512cd": "avx512cd", "avx512vbmi": "avx512vbmi", "avx512_vbmi2": "avx512vbmi2",
+    "avx512ifma": "avx512ifma", "avx512_bitalg": "avx512bitalg",
+    "avx512_vpopcntdq": "avx512vpopcntdq", "avx512_vnni": "avx512vnni", "avx_vnni": "avxvnni",
+    "avx512_bf16": "avx512bf16", "avx512_fp16": "avx512fp16",
+    "amx_tile": "amx-tile", "amx_bf16": "amx-bf16", "amx_int8": "amx-int8",
+}
+
+
+AMX_FLAGS = {"amx_tile", "amx_bf16", "amx_int8"}
+
+
+def host_feature_attrs(cpu: str, flags: set | None = None) -> list[str]:
+    """LLVM ``mattr`` entries that make the CPU name's features the host's own: LLVM names the
+    host by its family/model number, which virtual machines may mask (an AMX Xeon VM here
+    reports a Rocket Lake model, so its name lacks AVX512-BF16, AVX512-FP16 and AMX), or a
+    hypervisor may hide features the name implies (code using them would die by SIGILL).
+    ``+f`` for a flag the kernel reports that the name lacks, ``-f`` for the reverse; nothing
+    where /proc/cpuinfo is unreadable or the host is not x86_64."""
+    import tvm
+
+    flags = host_cpu_flags() if flags is None else flags
+    if not flags or os.uname().machine != "x86_64":
+        return []
+    base = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": cpu})
+    out = []
+    for flag, feature in HOST_FLAG_FEATURES.items():
+        has = bool(tvm.target.codegen.llvm_cpu_has_features(feature, base))
+        if (flag in flags) != has:
+            out.append(("+" if flag in flags else "-") + feature)
+    return out
+
+
+def host_target(num_cores: int | None = None):
+    """The TVM target of this CPU: LLVM's name for it with its real vector features
+    (host_feature_attrs), AMX left out where Linux refuses the tile state."""
+    import tvm
+
+    spec = {"kind": "llvm", "mtriple": f"{os.uname().machine}-linux-gnu", "mcpu": host_cpu_name()}
+    if num_cores:
+        spec["num-cores"] = num_cores
+    flags = host_cpu_flags()
+    if flags & AMX_FLAGS and not request_amx_permission()[0]:
+        flags = flags - AMX_FLAGS  # AMX code would die by SIGILL in this process
+    mattr = host_feature_attrs(spec["mcpu"], flags)
+    if mattr:
+        spec["mattr"] = mattr
+    return tvm.target.Target(spec)

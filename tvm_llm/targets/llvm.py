@@ -9,17 +9,11 @@ import os
 from .registry import register_target
 from .base import TargetSpec
 from ..errors import UserError
-from ..runtime.cpu_probe import host_cpu_flags, request_amx_permission
+from ..runtime.cpu_probe import (AMX_FLAGS, HOST_FLAG_FEATURES, host_cpu_flags,  # noqa: F401
+                                 host_cpu_name, host_feature_attrs, host_target,
+                                 request_amx_permission)
 
 CROSS_TRIPLES = {"aarch64": "aarch64-linux-gnu", "x86_64": "x86_64-linux-gnu"}
-
-
-def host_cpu_name() -> str:
-    """LLVM's name for this CPU (e.g. znver4, sapphirerapids). TVM's "native" falls back to
-    generic SSE code, so the build always names the CPU explicitly."""
-    import tvm
-
-    return str(tvm.target.codegen.llvm_get_system_cpu())
 
 
 def default_num_threads() -> int:
@@ -53,42 +47,6 @@ def parse_arch(arch: str | None) -> tuple[str, str | None]:
     raise UserError(f"unknown --arch {arch!r} for llvm: use host (default), "
                     f"{', '.join(CROSS_TRIPLES)}, an LLVM CPU name (znver4, sapphirerapids, "
                     "skylake-avx512, haswell, ...) or ARCH:CPU (aarch64:neoverse-v1)")
-
-
-# /proc/cpuinfo flag -> LLVM feature, for the vector features our kernels choose by
-HOST_FLAG_FEATURES = {
-    "avx2": "avx2", "fma": "fma", "f16c": "f16c",
-    "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512vl": "avx512vl", "avx512dq": "avx512dq",
-    "avx512cd": "avx512cd", "avx512vbmi": "avx512vbmi", "avx512_vbmi2": "avx512vbmi2",
-    "avx512ifma": "avx512ifma", "avx512_bitalg": "avx512bitalg",
-    "avx512_vpopcntdq": "avx512vpopcntdq", "avx512_vnni": "avx512vnni", "avx_vnni": "avxvnni",
-    "avx512_bf16": "avx512bf16", "avx512_fp16": "avx512fp16",
-    "amx_tile": "amx-tile", "amx_bf16": "amx-bf16", "amx_int8": "amx-int8",
-}
-
-
-AMX_FLAGS = {"amx_tile", "amx_bf16", "amx_int8"}
-
-
-def host_feature_attrs(cpu: str, flags: set | None = None) -> list[str]:
-    """LLVM ``mattr`` entries that make the CPU name's features the host's own: LLVM names the
-    host by its family/model number, which virtual machines may mask (an AMX Xeon VM here
-    reports a Rocket Lake model, so its name lacks AVX512-BF16, AVX512-FP16 and AMX), or a
-    hypervisor may hide features the name implies (code using them would die by SIGILL).
-    ``+f`` for a flag the kernel reports that the name lacks, ``-f`` for the reverse; nothing
-    where /proc/cpuinfo is unreadable or the host is not x86_64."""
-    import tvm
-
-    flags = host_cpu_flags() if flags is None else flags
-    if not flags or os.uname().machine != "x86_64":
-        return []
-    base = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": cpu})
-    out = []
-    for flag, feature in HOST_FLAG_FEATURES.items():
-        has = bool(tvm.target.codegen.llvm_cpu_has_features(feature, base))
-        if (flag in flags) != has:
-            out.append(("+" if flag in flags else "-") + feature)
-    return out
 
 
 def amx_status(target) -> dict:
@@ -156,16 +114,11 @@ class LLVMTarget(TargetSpec):
             if self.cpu:
                 spec["mcpu"] = self.cpu
             return tvm.target.Target(spec)
-        spec = {"kind": "llvm", "mtriple": f"{self.isa_arch}-linux-gnu",
-                "mcpu": self.cpu or host_cpu_name(), "num-cores": default_num_threads()}
         if self.cpu is None and self.isa_arch == os.uname().machine:  # the host itself
-            flags = host_cpu_flags()
-            if flags & AMX_FLAGS and not request_amx_permission()[0]:
-                flags = flags - AMX_FLAGS  # AMX code would die by SIGILL in this process
-            mattr = host_feature_attrs(spec["mcpu"], flags)
-            if mattr:
-                spec["mattr"] = mattr
-        return tvm.target.Target(spec)
+            return host_target(default_num_threads())
+        return tvm.target.Target({"kind": "llvm", "mtriple": f"{self.isa_arch}-linux-gnu",
+                                  "mcpu": self.cpu or host_cpu_name(),
+                                  "num-cores": default_num_threads()})
 
     def vector_isa(self) -> str:
         """The widest SIMD the target has: avx512, avx2, neon or sse (the rules' probe,

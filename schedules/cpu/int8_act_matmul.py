@@ -117,14 +117,18 @@ GROUP = 32
 PREFETCH_BYTES = 8192  # weights prefetched this far ahead into L2 (measured best of 1-64 KiB)
 
 
-def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm.tirx.PrimFunc:
+def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32") -> tvm.tirx.PrimFunc:
     """The kernel for x: (A, B, K) float32 -> (A, B, N) and weights of format `fmt` (a
-    quantization.formats.WeightFormat) in the layout above."""
-    if N % TILE_N or K % GROUP:
+    quantization.formats.WeightFormat) in the layout above. N = None: N / 16 tiles left
+    symbolic (bound by the weight buffer's first dimension): one parse serves every N of this
+    K, each shape then being `specialize_n`'s (TVMScript parsing took ~1 s per kernel)."""
+    if (N is not None and N % TILE_N) or K % GROUP:
         raise ValueError(f"int8-activation matmul needs N % 16 == 0 and K % 32 == 0 (N={N}, K={K})")
     from tvm_llm.quantization.formats import super_groups
 
-    NT, NG = N // TILE_N, K // GROUP
+    NT = tvm.tirx.Var("n_tiles", "int32") if N is None else N // TILE_N
+    N = NT * TILE_N
+    NG = K // GROUP
     four = fmt.bits == 4
     C = 4 if four else 8  # 64-byte chunks per group and tile
     kind = fmt.kind
@@ -365,3 +369,13 @@ def int8_act_matmul_func(fmt, K: int, N: int, out_dtype: str = "float32") -> tvm
                  var_y: T.handle):
             entry(var_x, var_y, wp, lo, hi, d, dmin)
     return func
+
+
+def specialize_n(func: tvm.tirx.PrimFunc, fmt, K: int, N: int) -> tvm.tirx.PrimFunc:
+    """`func` (int8_act_matmul_func(fmt, K, None)) for N output features: its packed weight
+    parameter wp (N/16, K/32, C, 64) given its concrete shape binds the tile count everywhere."""
+    if N % TILE_N:
+        raise ValueError(f"int8-activation matmul needs N % 16 == 0 (N={N})")
+    chunks = 4 if fmt.bits == 4 else 8  # 64-byte chunks per group and tile (C above)
+    return func.specialize({func.params[1]: tvm.tirx.decl_buffer(
+        (N // TILE_N, K // GROUP, chunks, 64), "uint8", name="wp")})

@@ -83,15 +83,25 @@ def llvm_hw_key(target) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _int8_act_kernel(fmt: str, K: int, N: int, out_dtype: str):
-    """The int8-activation kernel of one (format, shape), made once per process: it is written
-    in TVMScript, and parsing it took ~3 s per linear layer (most of a q4 build's passes),
-    while a model has only a few distinct linear shapes. PrimFuncs are immutable: sharing is safe."""
+def _int8_act_template(fmt: str, K: int, out_dtype: str):
+    """The int8-activation kernel of one (format, K) with its N symbolic, made once per process:
+    it is written in TVMScript, and parsing it took ~1-3 s per kernel (most of a q4 build's
+    passes), while a model has only a few distinct K. PrimFuncs are immutable: sharing is safe."""
     from schedules.cpu.int8_act_matmul import int8_act_matmul_func
 
     from ..quantization.formats import get_format
 
-    return int8_act_matmul_func(get_format(fmt), K, N, out_dtype)
+    return int8_act_matmul_func(get_format(fmt), K, None, out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _int8_act_kernel(fmt: str, K: int, N: int, out_dtype: str):
+    """The template specialized to N (milliseconds)."""
+    from schedules.cpu.int8_act_matmul import specialize_n
+
+    from ..quantization.formats import get_format
+
+    return specialize_n(_int8_act_template(fmt, K, out_dtype), get_format(fmt), K, N)
 
 
 @register_target("llvm")

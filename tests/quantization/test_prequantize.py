@@ -49,3 +49,31 @@ def test_taken_results_equal_the_quantizer_and_mismatches_are_refused(checkpoint
     finally:
         prequantize.stop()
     assert prequantize.counts() == {"queued": 0, "taken": 0}
+
+
+def test_q4k_searches_are_compiled_on_the_calling_thread(checkpoint, monkeypatch):
+    """start() compiles the q4_k searches its units need (plain and importance-weighted here)
+    before the background thread runs: TVM's compiler never runs beside the build's passes."""
+    import threading
+
+    from tvm_llm.quantization import kquant_search
+
+    calls = []
+    real = kquant_search.compiled
+
+    def recording(nmax, numerators, weighted):
+        calls.append((threading.current_thread() is threading.main_thread(), weighted))
+        return real(nmax, numerators, weighted)
+
+    monkeypatch.setattr(kquant_search, "compiled", recording)
+    model = _model(checkpoint)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    plan = QuantPlan("q4_k", importance={q: np.linspace(0.5, 2.0, model.config.hidden_size)
+                                         .astype(np.float32)})
+    try:
+        assert prequantize.start(model, parse_scheme("q4_k", activations="float", plan=plan)) > 0
+        prequantize.finish()
+    finally:
+        prequantize.stop()
+    first_background = next((i for i, (main, _) in enumerate(calls) if not main), len(calls))
+    assert {w for main, w in calls[:first_background] if main} == {False, True}

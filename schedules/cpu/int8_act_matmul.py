@@ -117,6 +117,11 @@ GROUP = 32
 PREFETCH_BYTES = 8192  # weights prefetched this far ahead into L2 (measured best of 1-64 KiB)
 
 
+def chunks_per_group(fmt) -> int:
+    """64-byte chunks of packed weights per group of 32 and tile of 16 rows (wp's third dim)."""
+    return 4 if fmt.bits == 4 else 8
+
+
 def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32") -> tvm.tirx.PrimFunc:
     """The kernel for x: (A, B, K) float32 -> (A, B, N) and weights of format `fmt` (a
     quantization.formats.WeightFormat) in the layout above. N = None: N / 16 tiles left
@@ -130,7 +135,7 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32")
     N = NT * TILE_N
     NG = K // GROUP
     four = fmt.bits == 4
-    C = 4 if four else 8  # 64-byte chunks per group and tile
+    C = chunks_per_group(fmt)
     kind = fmt.kind
     S = super_groups(K) if kind == "kquant" else 1
     NS = NG // S
@@ -376,6 +381,5 @@ def specialize_n(func: tvm.tirx.PrimFunc, fmt, K: int, N: int) -> tvm.tirx.PrimF
     parameter wp (N/16, K/32, C, 64) given its concrete shape binds the tile count everywhere."""
     if N % TILE_N:
         raise ValueError(f"int8-activation matmul needs N % 16 == 0 (N={N})")
-    chunks = 4 if fmt.bits == 4 else 8  # 64-byte chunks per group and tile (C above)
     return func.specialize({func.params[1]: tvm.tirx.decl_buffer(
-        (N // TILE_N, K // GROUP, chunks, 64), "uint8", name="wp")})
+        (N // TILE_N, K // GROUP, chunks_per_group(fmt), 64), "uint8", name="wp")})

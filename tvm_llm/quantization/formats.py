@@ -111,6 +111,17 @@ class WeightFormat:
                     parts = list(pool.map(lambda c: self._quantize_rows(c, imp), chunks))
         return {key: np.concatenate([p[key] for p in parts], axis=0) for key in parts[0]}
 
+    def prepare(self, K: int, importance: np.ndarray | None = None) -> None:
+        """Compile, on the calling thread, the search that quantize() runs for weights of K
+        inputs with this importance (q4_k's kquant_search; nothing for the numpy formats):
+        prequantize calls it so its background thread never runs TVM's compiler."""
+        if self.kind == "kquant":
+            from .kquant_search import compiled
+
+            nmax = self.qrange[1]
+            weighted = not importance_is_uniform(_importance(importance, K))
+            compiled(nmax, kquant_numerators(nmax), weighted)
+
     def dequantize(self, stored: dict) -> np.ndarray:
         q = stored["q"]
         N, K = q.shape

@@ -56,7 +56,7 @@ def _kernels(nmax: int, candidates: int, weighted: bool):
     @T.prim_func
     def kquant_first(x: T.handle, imp: T.handle, numer: T.handle, scale: T.handle,
                      minimum: T.handle):
-        T.func_attr({"tir.noalias": True})
+        T.func_attr({"tirx.noalias": True})
         nb = T.int32()
         nbp = T.int32()
         ng = T.int32()
@@ -155,7 +155,7 @@ def _kernels(nmax: int, candidates: int, weighted: bool):
     @T.prim_func
     def kquant_second(x: T.handle, imp: T.handle, dg: T.handle, mg: T.handle, sc0: T.handle,
                       mn0: T.handle, qout: T.handle, scout: T.handle, mnout: T.handle):
-        T.func_attr({"tir.noalias": True})
+        T.func_attr({"tirx.noalias": True})
         nb = T.int32()
         nbp = T.int32()
         ng = T.int32()

@@ -57,7 +57,8 @@ def start(model, scheme) -> int:
     units = _units(model, scheme)
     if not units:
         return 0
-    _compile_searches(units)
+    for _key, fmt, imp, sources in units:  # TVM compiles here, on the caller's thread
+        get_format(fmt).prepare(sources[0].shape[1], imp)
     pool = ThreadPoolExecutor(1, thread_name_prefix="tvm-llm-prequantize")
     with _LOCK:
         _POOL.append(pool)
@@ -65,19 +66,6 @@ def start(model, scheme) -> int:
         for key, fmt, imp, sources in units:
             _PENDING[key] = (fmt, imp, sources, pool.submit(_quantize, fmt, imp, sources))
     return len(units)
-
-
-def _compile_searches(units) -> None:
-    """Compile the q4_k searches the units need here, on the build's main thread, so the
-    background thread never runs TVM's compiler beside the main thread's passes."""
-    from .formats import _importance, importance_is_uniform, kquant_numerators
-    from .kquant_search import compiled
-
-    for _key, fmt, imp, sources in units:
-        f = get_format(fmt)
-        if f.kind == "kquant":
-            uniform = importance_is_uniform(_importance(imp, sources[0].shape[1]))
-            compiled(f.qrange[1], kquant_numerators(f.qrange[1]), not uniform)
 
 
 def _quantize(fmt: str, imp, sources: list) -> dict:

@@ -86,3 +86,28 @@ def test_float16_build_runs_with_a_float16_kv_cache(checkpoint, hf_model, tmp_pa
     for got, want in ((pre, ref[:n]), (step, ref[n])):
         cos = float((got * want).sum() / np.sqrt((got * got).sum() * (want * want).sum()))
         assert cos > 0.999, cos
+
+
+def test_import_converts_no_weight_to_tvm(checkpoint, monkeypatch):
+    """The Relax import leaves the weights as they are (the build hands them to the weight
+    transform itself): TVM's importer converts only buffers and constants, not one parameter
+    (each conversion of a safetensors weight was a copy: 4.4 GB on llama-1b)."""
+    from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+    from tvm_llm.config import BuildConfig
+    from tvm_llm.front import lower
+
+    convert = ExportedProgramImporter._convert_pytorch_tensor_to_tvm
+    converted = []
+
+    def counting(tensor):
+        converted.append(tensor.numel() * tensor.element_size())
+        return convert(tensor)
+
+    monkeypatch.setattr(ExportedProgramImporter, "_convert_pytorch_tensor_to_tvm",
+                        staticmethod(counting))
+    lowered = lower(checkpoint("llama"), BuildConfig.create(context_window=64), "import",
+                    log=lambda *a: None)
+    weight_bytes = sum(w.nbytes for w in lowered.imported.params)
+    assert weight_bytes > 0 and lowered.imported.params
+    assert sum(converted) < 0.01 * weight_bytes, (sum(converted), weight_bytes)

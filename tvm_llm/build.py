@@ -175,15 +175,14 @@ def _build(model_dir: str, output_dir: str, config: BuildConfig | None, *, force
         spec.export_library(executable, os.path.join(tmp, artifact.LIBRARY), workspace_dir=objects)
         shutil.rmtree(objects)
         clock.lap("export library (compile, link)")
-        names, weights = lowered.weights()
+        names, weights = lowered.weights()  # computed chunk by chunk as save_weights writes
+        table = artifact.save_weights(os.path.join(tmp, artifact.WEIGHTS), names, weights)
         early = prequantize.counts()
         if early["queued"]:
             log(f"[tvm-llm] {early['taken']} of {early['queued']} quantized weights came from "
                 "the quantizer run beside trace, passes and codegen")
         prequantize.stop()
-        clock.lap("weight transform (fold, pack)")
-        table = artifact.save_weights(os.path.join(tmp, artifact.WEIGHTS), names, weights)
-        clock.lap("save weights")
+        clock.lap("weight transform + save")
         for name in tok_files:
             shutil.copy(os.path.join(model_dir, name), os.path.join(tmp, name))
         template = chat_template.find(model_dir)  # rendered by `serve` and `generate --chat`

@@ -73,17 +73,17 @@ class Lowered:
     import_seconds: float = 0.0
     pipeline_seconds: float = 0.0
 
-    def weights(self) -> tuple[list, list]:
+    def weights(self):
         """(names, numpy arrays) of the weights the compiled module takes: the checkpoint's,
-        passed through the lifted weight transforms (folding, then packing for the kernels)."""
-        from .passes.fold_weights import apply_weight_transform, weight_param_names
+        passed through the lifted weight transforms (folding, then packing for the kernels).
+        The arrays come as an iterator, computed a chunk at a time as it is consumed
+        (fold_weights.transform_weights): write each and drop it, and the build holds only a
+        chunk of transformed weights at once."""
+        from .passes.fold_weights import transform_weights, weight_param_names
 
-        weights = self.imported.params
-        for transform in self.weight_transforms:
-            weights = apply_weight_transform(transform, weights)
         names = (weight_param_names(self.mod, self.imported.relax_names) if self.weight_transforms
                  else self.imported.param_names)
-        return names, weights
+        return names, transform_weights(self.weight_transforms, self.imported.params)
 
 
 def lower(checkpoint, config: BuildConfig, until: str = "finalize", *, log=print,

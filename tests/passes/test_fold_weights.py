@@ -78,3 +78,57 @@ def test_numerics_folded_vs_unfolded():
     folded = apply_weight_transform(transform, weights)
     got = compile_and_run(mod, "prefill", [x] + folded)
     np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def _lowered_tiny(checkpoint, arch="llama"):
+    from tvm_llm.config import BuildConfig
+    from tvm_llm.front import lower
+
+    return lower(checkpoint(arch), BuildConfig.create(context_window=64), log=lambda *a: None)
+
+
+def test_chunked_transform_equals_whole(checkpoint):
+    """The build's chunked weight transform (one chunk per output here, and one chunk for all)
+    gives the arrays of running each lifted transform whole, in the same order; an output that
+    is an input passed through is that input's own array (never copied)."""
+    from tvm_llm.passes.fold_weights import _TransformPlan, transform_weights
+
+    lowered = _lowered_tiny(checkpoint)
+    transforms = lowered.weight_transforms
+    assert len(transforms) == 2  # folding (q|k|v, gate|up concatenations), then packing
+    params = lowered.imported.params
+    expected = params
+    for t in transforms:
+        expected = _TransformPlan(t).run_whole(expected)
+    for chunk_bytes in (1, 1 << 40):
+        got = list(transform_weights(transforms, params, chunk_bytes=chunk_bytes))
+        assert len(got) == len(expected)
+        for g, e in zip(got, expected):
+            assert g.dtype == e.dtype and g.shape == e.shape
+            np.testing.assert_array_equal(g, e)
+    plans = [_TransformPlan(t) for t in transforms]
+    assert all(p.chunkable for p in plans)
+    passed = [j for j in range(len(expected)) if j in plans[1].passthrough
+              and plans[1].passthrough[j] in plans[0].passthrough]
+    assert passed  # the norms' weights go through both transforms untouched
+    got = list(transform_weights(transforms, params, chunk_bytes=1))
+    for j in passed:
+        assert got[j] is params[plans[0].passthrough[plans[1].passthrough[j]]]
+
+
+def test_chunk_groups_consecutive_outputs():
+    from tvm_llm.passes.fold_weights import _chunk
+
+    assert _chunk([10, 10, 10, 10, 5], 20) == [[0, 1], [2, 3], [4]]
+    assert _chunk([30, 1, 1], 20) == [[0], [1, 2]]
+    assert _chunk([1, 2, 3], 1 << 30) == [[0, 1, 2]]
+
+
+def test_save_weights_refuses_a_short_iterator(tmp_path):
+    import pytest
+
+    from tvm_llm.runtime import artifact
+
+    arrays = iter([np.ones(3, np.float32)])
+    with pytest.raises(ValueError):
+        artifact.save_weights(str(tmp_path / "w.bin"), ["a", "b"], arrays)

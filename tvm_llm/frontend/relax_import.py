@@ -297,11 +297,34 @@ def _needs_decompositions(ep, dtype: str | None) -> bool:
     return any(n.op == "call_function" and "moe_experts" in str(n.target) for n in ep.graph.nodes)
 
 
+def _from_exported_program(ep, run_decompositions: bool, custom_convert_map: dict):
+    """TVM's from_exported_program with keep_params_as_input, less its copy of every weight.
+
+    TVM's importer converts each parameter into a TVM tensor for a "params" attribute that
+    to_relax drops (the weights stay torch tensors, ImportedModel.params). Weights loaded from
+    safetensors sit 32 bytes off TVM's 64-byte alignment, so each conversion was a copy: on
+    llama-1b 4.4 GB and ~8 s of trace + import. Parameters get an empty placeholder instead;
+    buffers and constants (bound into the module) are converted as before."""
+    import tvm
+    from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+    if run_decompositions:
+        ep = ep.run_decompositions()
+    params = {id(t) for _, t in ep.named_parameters()}
+
+    class Importer(ExportedProgramImporter):
+        def _convert_pytorch_tensor_to_tvm(self, tensor_value):
+            if id(tensor_value) in params:
+                return tvm.runtime.empty((0,), "float32", tvm.cpu())
+            return ExportedProgramImporter._convert_pytorch_tensor_to_tvm(tensor_value)
+
+    return Importer().from_exported_program(ep, True, True, False, custom_convert_map)
+
+
 def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
     """Convert the exported program into the forward Relax function (one symbolic batch/seq)."""
     import tvm
     from tvm import relax as rx
-    from tvm.relax.frontend.torch import from_exported_program
 
     from .mla import mla_converters
     from .moe_relax import moe_converter
@@ -312,17 +335,16 @@ def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
     variants: dict = {}
     cache_var = rx.Var("paged_kv_cache", rx.ObjectType())
     sources = _weight_sources(ep)
-    mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,
-                                run_ep_decomposition=_needs_decompositions(ep, dtype),
-                                custom_convert_map={
-                                    **_to_device_converter(),
-                                    **_half_precision_converters(),
-                                    **_topk_converter(),
-                                    **_attention_converter(layers, cache_var, dtype),
-                                    **mla_converters(layers, cache_var, dtype),
-                                    **moe_converter(),
-                                    **_attention_variant_converter(layers, variants, cache_var,
-                                                                   sources, dtype)})
+    mod = _from_exported_program(ep, run_decompositions=_needs_decompositions(ep, dtype),
+                                 custom_convert_map={
+                                     **_to_device_converter(),
+                                     **_half_precision_converters(),
+                                     **_topk_converter(),
+                                     **_attention_converter(layers, cache_var, dtype),
+                                     **mla_converters(layers, cache_var, dtype),
+                                     **moe_converter(),
+                                     **_attention_variant_converter(layers, variants, cache_var,
+                                                                    sources, dtype)})
     func = mod["main"]
     n_in = int(func.attrs["num_input"])
     names, weights, relax_names = [], [], {}

@@ -30,11 +30,13 @@ def _np_dtype(name: str):
     return np.dtype(name)
 
 
-def save_weights(path: str, names: list, arrays: list) -> list:
-    """Write arrays back to back (aligned) and return the parameter table for the manifest."""
+def save_weights(path: str, names: list, arrays) -> list:
+    """Write arrays back to back (aligned) and return the parameter table for the manifest.
+    `arrays` may be an iterator (the build's chunked weight transform): each array is written
+    as it comes and not kept."""
     table, offset = [], 0
     with open(path, "wb") as f:
-        for name, arr in zip(names, arrays):
+        for name, arr in zip(names, arrays, strict=True):
             arr = np.ascontiguousarray(arr)
             pad = (-offset) % ALIGN
             f.write(b"\0" * pad)

@@ -36,7 +36,12 @@ def _quantize_packed(w, fmt: str, layout: str, key: str):
     from . import prequantize
 
     f = get_format(str(fmt))
-    w, importance = w.numpy(), _IMPORTANCE.get(str(key))
+    try:  # a view: the float weight is read, never kept (a copy was 4.4 GB on llama-1b)
+        w = np.from_dlpack(w)
+        w.flags.writeable = False  # the transform's input: a quantizer must not write to it
+    except (RuntimeError, TypeError, BufferError):  # bfloat16: numpy's DLPack lacks it
+        w = w.numpy()
+    importance = _IMPORTANCE.get(str(key))
     stored = prequantize.take(str(key), f.name, importance, w)  # quantized beside the passes
     if stored is None:
         stored = f.quantize(w, importance)

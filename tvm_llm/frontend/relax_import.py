@@ -318,7 +318,10 @@ def _from_exported_program(ep, run_decompositions: bool, custom_convert_map: dic
                 return tvm.runtime.empty((0,), "float32", tvm.cpu())
             return ExportedProgramImporter._convert_pytorch_tensor_to_tvm(tensor_value)
 
-    return Importer().from_exported_program(ep, True, True, False, custom_convert_map)
+    return Importer().from_exported_program(ep, keep_params_as_input=True,
+                                            unwrap_unit_return_tuple=True,
+                                            no_bind_return_tuple=False,
+                                            custom_convert_map=custom_convert_map)
 
 
 def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:

@@ -118,8 +118,8 @@ def transform_weights(transforms: list, weights: list, chunk_bytes: int = CHUNK_
     runners = [plan.compile([levels[k] for levels in needs]) for k, plan in enumerate(plans)]
     for c, levels in enumerate(needs):
         values = {i: weights[i] for i in levels[0][1]}
-        for k, (outputs, _inputs) in enumerate(levels):
-            values = runners[k](c, values)
+        for run in runners:
+            values = run(c, values)
         for j in chunks[c]:
             yield values.pop(j)
 
@@ -145,9 +145,7 @@ class _TransformPlan:
     def __init__(self, mod):
         self.mod = mod
         func = mod[TRANSFORM]
-        self.n_inputs = len(func.params[0].ty.fields)
-        fields = func.ret_ty.fields
-        self.output_bytes = [_static_bytes(f) for f in fields]
+        self.output_bytes = [_static_bytes(f) for f in func.ret_ty.fields]
         graph = _dataflow(func)
         self.chunkable = graph is not None
         if graph is None:
@@ -216,6 +214,7 @@ def _output_fields(func):
         for b in _bindings(func):
             if b.var.same_as(body):
                 body = b.value
+                break
     return list(body.fields) if isinstance(body, relax.Tuple) else None
 
 

@@ -85,8 +85,12 @@ CHUNK_BYTES = 256 << 20
 
 
 def transform_weights(transforms: list, weights: list, chunk_bytes: int = CHUNK_BYTES):
-    """Yield the weights after every transform in `transforms` (applied in order), in output
-    order, a chunk of about `chunk_bytes` of outputs at a time.
+    """An iterator over the weights after every transform in `transforms` (applied in order),
+    in output order, computed a chunk of about `chunk_bytes` of outputs at a time as it is
+    consumed. Every transform is compiled before this returns, on the caller's thread: the
+    iterator itself only runs compiled code, so another thread may consume it while this one
+    compiles (the build writes the weights beside its codegen; TVM's compiler is never run
+    in two threads at once).
 
     Why chunks: run whole, a transform holds every input (aligned copies), every intermediate
     and every output at once, and the build then writes them all: llama-1b fp32 peaked at
@@ -98,13 +102,11 @@ def transform_weights(transforms: list, weights: list, chunk_bytes: int = CHUNK_
     weights = list(weights)
     plans = [_TransformPlan(t) for t in transforms if t is not None]
     if not plans:
-        yield from weights
-        return
+        return iter(weights)
     if not all(p.chunkable for p in plans):  # a transform reads its parameter tuple whole
         for plan in plans:
             weights = plan.run_whole(weights)
-        yield from weights
-        return
+        return iter(weights)
     chunks = _chunk(plans[-1].output_bytes, chunk_bytes)
     # per chunk, per transform (last first): the outputs it must give, from which inputs
     needs = []
@@ -116,6 +118,11 @@ def transform_weights(transforms: list, weights: list, chunk_bytes: int = CHUNK_
             want = inputs
         needs.append(levels[::-1])
     runners = [plan.compile([levels[k] for levels in needs]) for k, plan in enumerate(plans)]
+    return _run_chunks(runners, needs, chunks, weights)
+
+
+def _run_chunks(runners: list, needs: list, chunks: list, weights: list):
+    """transform_weights' iterator: per chunk, each transform's compiled runner in turn."""
     for c, levels in enumerate(needs):
         values = {i: weights[i] for i in levels[0][1]}
         for run in runners:

@@ -21,13 +21,26 @@ from .scheme import pack, packed_shapes
 
 QUANTIZE_FUNC = "tvm_llm.quantize_weight"
 _IMPORTANCE: dict = {}  # key -> (K,) importance, set by the pass for the transform it emits
+_EXPECTED: dict = {}  # key -> (format name, K) of each weight the emitted transforms quantize
 
 
-def set_importance(key: str, importance) -> None:
+def set_importance(key: str, importance, fmt: str | None = None, K: int | None = None) -> None:
+    """What the QuantizeLinear pass emitted for weight `key`: its importance (or None) and,
+    for prepare_quantizers, its format and input features."""
+    if fmt is not None:
+        _EXPECTED[key] = (fmt, K)
     if importance is None:
         _IMPORTANCE.pop(key, None)
     else:
         _IMPORTANCE[key] = np.asarray(importance, dtype=np.float32)
+
+
+def prepare_quantizers() -> None:
+    """Compile, on the calling thread, every search the emitted transforms' quantize_weight
+    calls may run (WeightFormat.prepare): the build runs the transform on a second thread
+    beside its codegen, and TVM's compiler must never run in two threads at once."""
+    for key, (fmt, K) in list(_EXPECTED.items()):
+        get_format(fmt).prepare(K, _IMPORTANCE.get(key))
 
 
 def _quantize_packed(w, fmt: str, layout: str, key: str):

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 
 from .config import BuildConfig
@@ -79,8 +80,6 @@ class WeightWriter:
     `seconds`: its wall time from start to end."""
 
     def __init__(self, path: str, names: list, weights):
-        import threading
-
         self._stop = threading.Event()
         self._table, self._error, self.seconds = None, None, 0.0
         self._thread = threading.Thread(target=self._run, args=(path, names, weights),

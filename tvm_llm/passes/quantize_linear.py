@@ -151,7 +151,7 @@ class _Quantizer(PyExprMutator):
         cache = (w, fmt, layout)
         if cache not in self.stored:
             names = key.split(",")
-            kernels.set_importance(key, self.scheme.plan.importance_for(names), fmt, K)
+            kernels.record_weight(key, fmt, K, self.scheme.plan.importance_for(names))
             self.stored[cache] = emit_quantize_weight(self.builder_, w_new, fmt, layout, key, N, K)
         return self.stored[cache]
 

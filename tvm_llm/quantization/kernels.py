@@ -20,27 +20,22 @@ from .formats import GROUP, WeightFormat, get_format
 from .scheme import pack, packed_shapes
 
 QUANTIZE_FUNC = "tvm_llm.quantize_weight"
-_IMPORTANCE: dict = {}  # key -> (K,) importance, set by the pass for the transform it emits
-_EXPECTED: dict = {}  # key -> (format name, K) of each weight the emitted transforms quantize
+_EMITTED: dict = {}  # key -> (format name, K, (K,) importance or None), set by the pass
 
 
-def set_importance(key: str, importance, fmt: str | None = None, K: int | None = None) -> None:
-    """What the QuantizeLinear pass emitted for weight `key`: its importance (or None) and,
-    for prepare_quantizers, its format and input features."""
-    if fmt is not None:
-        _EXPECTED[key] = (fmt, K)
-    if importance is None:
-        _IMPORTANCE.pop(key, None)
-    else:
-        _IMPORTANCE[key] = np.asarray(importance, dtype=np.float32)
+def record_weight(key: str, fmt: str, K: int, importance) -> None:
+    """What the QuantizeLinear pass emitted a quantize_weight call for: weight `key`'s format,
+    input features and importance (or None), read by the transform's quantizer and by
+    prepare_quantizers."""
+    _EMITTED[key] = (fmt, K, None if importance is None else np.asarray(importance, dtype=np.float32))
 
 
 def prepare_quantizers() -> None:
     """Compile, on the calling thread, every search the emitted transforms' quantize_weight
     calls may run (WeightFormat.prepare): the build runs the transform on a second thread
     beside its codegen, and TVM's compiler must never run in two threads at once."""
-    for key, (fmt, K) in list(_EXPECTED.items()):
-        get_format(fmt).prepare(K, _IMPORTANCE.get(key))
+    for fmt, K, importance in list(_EMITTED.values()):
+        get_format(fmt).prepare(K, importance)
 
 
 def _quantize_packed(w, fmt: str, layout: str, key: str):
@@ -54,7 +49,7 @@ def _quantize_packed(w, fmt: str, layout: str, key: str):
         w.flags.writeable = False  # the transform's input: a quantizer must not write to it
     except (RuntimeError, TypeError, BufferError):  # bfloat16: numpy's DLPack lacks it
         w = w.numpy()
-    importance = _IMPORTANCE.get(str(key))
+    _fmt, _K, importance = _EMITTED.get(str(key), (None, None, None))
     stored = prequantize.take(str(key), f.name, importance, w)  # quantized beside the passes
     if stored is None:
         stored = f.quantize(w, importance)

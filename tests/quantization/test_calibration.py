@@ -68,6 +68,54 @@ def test_calibration_is_deterministic(checkpoint):
     assert any(f == "q8_0" for f in plan0.formats.values())  # the budget bought some 8-bit
 
 
+def test_groups_searched_in_parallel_choose_and_fold_as_one_by_one(checkpoint, monkeypatch):
+    """apply_awq searches every group in a pool while it folds earlier groups' scales: the
+    scales, the folded weights and the statistics equal those of searching each group only
+    after every earlier group was folded (four searches at once here)."""
+    quantizer, per_token = C._scheme_quantizers(parse_scheme("q4", activations="int8"))
+    wins = _windows(checkpoint)
+
+    model = _model(checkpoint)
+    calib = C.collect(model, wins)
+    expected = {}
+    for label, lins, names, producer, kv, _pn, fq in C._awq_groups(model, calib, quantizer):
+        weights = [lin.weight.detach().float().numpy() for lin in lins]
+        chosen, s, _err, _base = C.search_scale(calib.stats[names[0]], weights, fq, per_token,
+                                                "int8", tie=kv[0] if kv else None)
+        expected[label] = chosen
+        if chosen != "awq 0.0":
+            C._scale_inputs(lins, s)
+            C._scale_outputs(producer, kv[1](s) if kv else s)
+            for n in names:
+                calib.stats[n] = calib.stats[n].scaled(s)
+
+    monkeypatch.setattr(C, "host_threads", lambda: 4)
+    parallel = _model(checkpoint)
+    pcalib = C.collect(parallel, wins)
+    report = C.apply_awq(parallel, pcalib, quantizer, per_token, "int8")
+    assert {k: r["scale"] for k, r in report.items()} == expected
+    assert any(v != "awq 0.0" for v in expected.values())
+    ref = model.state_dict()
+    assert all(torch.equal(v, ref[k]) for k, v in parallel.state_dict().items())
+    assert all(np.array_equal(pcalib.stats[n].sample, calib.stats[n].sample) for n in calib.stats)
+
+
+def test_gradients_of_the_first_windows_only(checkpoint):
+    """collect(gradient_windows=1): the statistics of every window, the loss gradients of the
+    first window alone (the build's setting: the other windows run forward only)."""
+    model, wins = _model(checkpoint), _windows(checkpoint)
+    first = C.collect(model, wins, gradients=True, gradient_windows=1)
+    stats_only = C.collect(model, wins)
+    grads_only = C.collect(model, wins[:1], gradients=True)
+    assert first.tokens == stats_only.tokens == 3 * grads_only.tokens
+    for n, st in stats_only.stats.items():
+        np.testing.assert_allclose(first.stats[n].mean_sq, st.mean_sq, rtol=1e-6)
+        np.testing.assert_allclose(first.stats[n].sample, st.sample, rtol=1e-6)
+    assert first.out_grad_sq.keys() == grads_only.out_grad_sq.keys() and first.out_grad_sq
+    for n, g in grads_only.out_grad_sq.items():
+        np.testing.assert_allclose(first.out_grad_sq[n], g, rtol=1e-6)
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
 def test_importance_weighted_rounding_lowers_the_weighted_error(fmt):
     rng = np.random.default_rng(0)

@@ -115,11 +115,13 @@ def _linears(model) -> dict:
     return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-def collect(model, windows: list, sample_rows: int = SAMPLE_ROWS, gradients: bool = False) -> Calibration:
+def collect(model, windows: list, sample_rows: int = SAMPLE_ROWS, gradients: bool = False,
+            gradient_windows: int | None = None) -> Calibration:
     """Run the float model over `windows` (window + 1 token ids each) and record every linear's
     input statistics. Linears fed the same tensor (q|k|v, gate|up) share one record. With
     `gradients`, also the mean squared gradient of the summed next-token loss at each linear's
-    output (one backward per window; no weight gradients are formed)."""
+    output (one backward per window, over the first `gradient_windows` windows, None: all;
+    no weight gradients are formed)."""
     import torch
 
     linears = _linears(model)
@@ -128,6 +130,7 @@ def collect(model, windows: list, sample_rows: int = SAMPLE_ROWS, gradients: boo
     alias: dict = {}  # linear name -> name of the linear whose record it shares
     last = {"x": None, "name": None}
     per_window = -(-sample_rows // len(windows))
+    n_grad = len(windows) if gradient_windows is None else min(gradient_windows, len(windows))
 
     def hook(name):
         def fn(_mod, args):
@@ -161,16 +164,16 @@ def collect(model, windows: list, sample_rows: int = SAMPLE_ROWS, gradients: boo
         return fn
 
     hooks = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
-    if gradients:
+    if gradients and n_grad:
         hooks += [m.register_forward_hook(grad_hook(n)) for n, m in linears.items()]
     requires = [p.requires_grad for p in model.parameters()]
     for p in model.parameters():
         p.requires_grad_(False)
     try:
-        for w in windows:
+        for i, w in enumerate(windows):
             last["x"] = None
             ids = torch.tensor([w[:-1]])
-            if not gradients:
+            if not gradients or i >= n_grad:
                 with torch.no_grad():
                     model(ids)
                 continue
@@ -190,7 +193,8 @@ def collect(model, windows: list, sample_rows: int = SAMPLE_ROWS, gradients: boo
                                  torch.cat(rows).numpy().astype(np.float32), tokens)
     for name, src in alias.items():
         stats[name] = stats[src]
-    return Calibration(stats, tokens, {n: (g / tokens).numpy() for n, g in grads.items()})
+    grad_tokens = sum(len(w) - 1 for w in windows[:n_grad])
+    return Calibration(stats, tokens, {n: (g / grad_tokens).numpy() for n, g in grads.items()})
 
 
 # ------------------------------------------------------------------------------ scale search
@@ -206,7 +210,9 @@ def _candidates(st: InputStats, weights: list, activations: str) -> list:
     out = [(f"awq {a}", _normalized(st.mean_abs ** a) if a else np.ones_like(st.mean_abs))
            for a in ALPHAS]
     if activations == "int8":
-        wmax = np.max([np.abs(w).max(axis=0) for w in weights], axis=0)
+        # max |W| per column from the column max and min: np.abs made a whole-matrix temporary
+        # (llama-1b: 0.12 s per gate|up, its fresh pages) for what two reductions give
+        wmax = np.max([np.maximum(w.max(axis=0), -w.min(axis=0)) for w in weights], axis=0)
         for a in ALPHAS[1:]:
             out.append((f"smooth {a}", _normalized(np.maximum(st.max_abs, 1e-8) ** a
                                                    / np.maximum(wmax, 1e-8) ** (1 - a))))
@@ -214,16 +220,16 @@ def _candidates(st: InputStats, weights: list, activations: str) -> list:
 
 
 def search_scale(st: InputStats, weights: list, quantize, quantize_input=None,
-                 activations: str = "float", tie=None):
+                 activations: str = "float", tie=None, threads: int | None = None):
     """(label, s, error, error at s = 1) minimizing the output error of the linears `weights`
     (each (N, K) float32) on the sampled rows, scored on at most SEARCH_ROWS evenly spaced
     rows of each weight. `quantize(w) -> w'` is the build's weight
     round trip, `quantize_input(x) -> x'` the activation round trip (or None).
     `tie(s) -> s'` projects a candidate onto scalings the producer can absorb.
 
-    The candidates are scored in threads, one torch thread each (numpy and torch release the
-    GIL); the choice is made afterwards in the candidates' order, so it does not depend on
-    the threads."""
+    The candidates are scored in `threads` threads (None: one per core), one torch thread each
+    (numpy and torch release the GIL); the choice is made afterwards in the candidates' order,
+    so it does not depend on the threads."""
     import torch
 
     X = st.sample.astype(np.float32)
@@ -251,8 +257,11 @@ def search_scale(st: InputStats, weights: list, quantize, quantize_input=None,
 
     with one_torch_thread():
         ref = [matmul(X, w) for w in weights]
-        with ThreadPoolExecutor(min(len(candidates), host_threads())) as pool:
-            scored = list(pool.map(score, candidates))
+        if threads == 1:
+            scored = [score(c) for c in candidates]
+        else:
+            with ThreadPoolExecutor(min(len(candidates), threads or host_threads())) as pool:
+                scored = list(pool.map(score, candidates))
     best = None
     base = None
     for label, s, err in scored:
@@ -363,16 +372,13 @@ def _kv_tie(config, K: int):
     return tie, per_kv
 
 
-def apply_awq(model, calib: Calibration, quantizer_for, quantize_input=None,
-              activations: str = "float", log=print) -> dict:
-    """Search and fold the scales of every linear group into `model` (in place); update
-    `calib`'s statistics to the scaled inputs. `quantizer_for(names) -> fn(w) -> w'` gives the
-    weight round trip of the linear made of those checkpoint weight names (a merged linear
-    uses one format). Returns {group label: {"scale": label, "error_ratio": err / err(s=1)}}."""
-    report = {}
+def _awq_groups(model, calib: Calibration, quantizer_for) -> list:
+    """(label, linears, module names, producer, (tie, per_kv) or None, producer name, weight
+    round trip) per linear group the scale search scores, in the model's order."""
+    groups = []
     for i, attn, mlp, norm1, norm2 in _layer_modules(model):
         pre = f"model.layers.{i}"
-        groups = [
+        layer = [
             (f"{pre}.self_attn.q_proj|k_proj|v_proj", [attn.q_proj, attn.k_proj, attn.v_proj],
              [f"{pre}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")], norm1, None, None),
             (f"{pre}.mlp.gate_proj|up_proj", [mlp.gate_proj, mlp.up_proj],
@@ -382,27 +388,59 @@ def apply_awq(model, calib: Calibration, quantizer_for, quantize_input=None,
         ]
         tie, per_kv = _kv_tie(model.config, attn.o_proj.in_features)
         if tie is not None:
-            groups.append((f"{pre}.self_attn.o_proj", [attn.o_proj], [f"{pre}.self_attn.o_proj"],
-                           attn.v_proj, (tie, per_kv), f"{pre}.self_attn.v_proj"))
-        for label, lins, names, producer, kv, producer_name in groups:
+            layer.append((f"{pre}.self_attn.o_proj", [attn.o_proj], [f"{pre}.self_attn.o_proj"],
+                          attn.v_proj, (tie, per_kv), f"{pre}.self_attn.v_proj"))
+        for label, lins, names, producer, kv, producer_name in layer:
             if names[0] not in calib.stats:
                 continue
-            weights = [lin.weight.detach().float().numpy() for lin in lins]
             fq = quantizer_for([f"{n}.weight" for n in names])
-            if fq is None:  # stays float: nothing to gain
-                continue
-            chosen, s, err, base = search_scale(calib.stats[names[0]], weights, fq, quantize_input,
-                                                activations, tie=kv[0] if kv else None)
-            report[label] = {"scale": chosen, "error_ratio": err / base if base else 1.0}
-            if chosen == "awq 0.0":
-                continue
-            _scale_inputs(lins, s)
-            rows = kv[1](s) if kv else s
-            _scale_outputs(producer, rows)
-            if producer_name in calib.out_grad_sq:  # y / s has gradient s * dL/dy
-                calib.out_grad_sq[producer_name] = calib.out_grad_sq[producer_name] * rows ** 2
-            for n in names:
-                calib.stats[n] = calib.stats[n].scaled(s)
+            if fq is not None:  # None: stays float, nothing to gain
+                groups.append((label, lins, names, producer, kv, producer_name, fq))
+    return groups
+
+
+def apply_awq(model, calib: Calibration, quantizer_for, quantize_input=None,
+              activations: str = "float", log=print) -> dict:
+    """Search and fold the scales of every linear group into `model` (in place); update
+    `calib`'s statistics to the scaled inputs. `quantizer_for(names) -> fn(w) -> w'` gives the
+    weight round trip of the linear made of those checkpoint weight names (a merged linear
+    uses one format). Returns {group label: {"scale": label, "error_ratio": err / err(s=1)}}.
+
+    The groups are searched one per thread, all cores busy, while this thread folds the
+    chosen scales in the groups' order. Each search reads only its own group's weights and
+    statistics, and a fold writes its group's weights and its producer's rows (q|k|v's norm,
+    gate|up's norm, down's up_proj, o's v_proj), which only earlier groups' searches read:
+    a fold runs after every earlier group's result is in, so each search sees what it saw
+    when the groups ran one after another, and chooses the same scale. (Searching one group
+    at a time, its candidates in threads, left the cores idle while a fold ran: llama-1b
+    ~5 s of its ~15 s.)"""
+    groups = _awq_groups(model, calib, quantizer_for)
+
+    def search(group):
+        _label, lins, names, _producer, kv, _producer_name, fq = group
+        weights = [lin.weight.detach().float().numpy() for lin in lins]
+        return search_scale(calib.stats[names[0]], weights, fq, quantize_input, activations,
+                            tie=kv[0] if kv else None, threads=1)
+
+    report = {}
+    with one_torch_thread(), ThreadPoolExecutor(min(len(groups), host_threads()) or 1) as pool:
+        searches = [pool.submit(search, g) for g in groups]
+        try:
+            for (label, lins, names, producer, kv, producer_name, _fq), fut in zip(groups, searches):
+                chosen, s, err, base = fut.result()
+                report[label] = {"scale": chosen, "error_ratio": err / base if base else 1.0}
+                if chosen == "awq 0.0":
+                    continue
+                _scale_inputs(lins, s)
+                rows = kv[1](s) if kv else s
+                _scale_outputs(producer, rows)
+                if producer_name in calib.out_grad_sq:  # y / s has gradient s * dL/dy
+                    calib.out_grad_sq[producer_name] = calib.out_grad_sq[producer_name] * rows ** 2
+                for n in names:
+                    calib.stats[n] = calib.stats[n].scaled(s)
+        finally:
+            for fut in searches:  # an error or Ctrl-C: start no further search
+                fut.cancel()
     calib.scales = report
     return report
 
@@ -443,6 +481,10 @@ def layout_budget(bits_per_weight: float, default_format: str, activations: str)
 # 256-token windows of the calibration text (512 tokens): 2 windows and 4 chose the same AWQ
 # scales on SmolLM2-135M at half the forward + backward, the build's largest calibration step
 DEFAULT_WINDOWS = 2
+# windows whose backward gives the mix's loss gradients (the others run forward only, for the
+# statistics): 1 of 2 chose the same mix as 2 of 2 on SmolLM2-135M (byte-identical q4 weights)
+# and on llama-1b, at 3/4 of the forward + backward (README "Build time", stop 21)
+GRADIENT_WINDOWS = 1
 MIX_CANDIDATES = ("q8_0",)  # formats a unit may be raised to from the plan's default
 
 
@@ -547,7 +589,7 @@ def calibrate_for_build(model, model_dir: str, quant, text_path: str | None = No
     need_grads = bits_per_weight is not None and not legacy
     log(f"[tvm-llm] calibrating on {sum(len(w) - 1 for w in wins)} tokens of "
         f"{text_path or 'the bundled calibration text'} ({', '.join(methods) or 'mix only'})")
-    calib = collect(model, wins, gradients=need_grads)
+    calib = collect(model, wins, gradients=need_grads, gradient_windows=GRADIENT_WINDOWS)
     stages = {"forward + backward" if need_grads else "forward": round(time.perf_counter() - t0, 1)}
     report = {"text": os.path.abspath(text_path or DEFAULT_CALIBRATION), "tokens": calib.tokens,
               "methods": list(methods), "stage_seconds": stages}

@@ -78,15 +78,15 @@ def test_groups_searched_in_parallel_choose_and_fold_as_one_by_one(checkpoint, m
     model = _model(checkpoint)
     calib = C.collect(model, wins)
     expected = {}
-    for label, lins, names, producer, kv, _pn, fq in C._awq_groups(model, calib, quantizer):
-        weights = [lin.weight.detach().float().numpy() for lin in lins]
-        chosen, s, _err, _base = C.search_scale(calib.stats[names[0]], weights, fq, per_token,
-                                                "int8", tie=kv[0] if kv else None)
-        expected[label] = chosen
+    for g in C._awq_groups(model, calib, quantizer):
+        weights = [lin.weight.detach().float().numpy() for lin in g.linears]
+        chosen, s, _err, _base = C.search_scale(calib.stats[g.names[0]], weights, g.quantize,
+                                                per_token, "int8", tie=g.kv[0] if g.kv else None)
+        expected[g.label] = chosen
         if chosen != "awq 0.0":
-            C._scale_inputs(lins, s)
-            C._scale_outputs(producer, kv[1](s) if kv else s)
-            for n in names:
+            C._scale_inputs(g.linears, s)
+            C._scale_outputs(g.producer, g.kv[1](s) if g.kv else s)
+            for n in g.names:
                 calib.stats[n] = calib.stats[n].scaled(s)
 
     monkeypatch.setattr(C, "host_threads", lambda: 4)

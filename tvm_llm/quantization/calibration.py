@@ -30,6 +30,7 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -220,16 +221,15 @@ def _candidates(st: InputStats, weights: list, activations: str) -> list:
 
 
 def search_scale(st: InputStats, weights: list, quantize, quantize_input=None,
-                 activations: str = "float", tie=None, threads: int | None = None):
+                 activations: str = "float", tie=None):
     """(label, s, error, error at s = 1) minimizing the output error of the linears `weights`
     (each (N, K) float32) on the sampled rows, scored on at most SEARCH_ROWS evenly spaced
     rows of each weight. `quantize(w) -> w'` is the build's weight
     round trip, `quantize_input(x) -> x'` the activation round trip (or None).
     `tie(s) -> s'` projects a candidate onto scalings the producer can absorb.
 
-    The candidates are scored in `threads` threads (None: one per core), one torch thread each
-    (numpy and torch release the GIL); the choice is made afterwards in the candidates' order,
-    so it does not depend on the threads."""
+    The candidates are scored one after another on one torch thread: apply_awq runs one
+    search per core."""
     import torch
 
     X = st.sample.astype(np.float32)
@@ -257,11 +257,7 @@ def search_scale(st: InputStats, weights: list, quantize, quantize_input=None,
 
     with one_torch_thread():
         ref = [matmul(X, w) for w in weights]
-        if threads == 1:
-            scored = [score(c) for c in candidates]
-        else:
-            with ThreadPoolExecutor(min(len(candidates), threads or host_threads())) as pool:
-                scored = list(pool.map(score, candidates))
+        scored = [score(c) for c in candidates]
     best = None
     base = None
     for label, s, err in scored:
@@ -372,9 +368,19 @@ def _kv_tie(config, K: int):
     return tie, per_kv
 
 
+class AwqGroup(NamedTuple):
+    """Linears that share an input, whose channel scaling is searched and folded together."""
+    label: str
+    linears: list
+    names: list  # module names; names[0] keys the shared input's statistics
+    producer: object  # the module whose output channels absorb 1 / s
+    kv: tuple | None  # o_proj: (tie, per_kv) of _kv_tie
+    producer_name: str | None  # the producer's name, if it is a linear (its gradient moves)
+    quantize: object  # the weight round trip of the group's format
+
+
 def _awq_groups(model, calib: Calibration, quantizer_for) -> list:
-    """(label, linears, module names, producer, (tie, per_kv) or None, producer name, weight
-    round trip) per linear group the scale search scores, in the model's order."""
+    """AwqGroup per linear group the scale search scores, in the model's order."""
     groups = []
     for i, attn, mlp, norm1, norm2 in _layer_modules(model):
         pre = f"model.layers.{i}"
@@ -395,7 +401,7 @@ def _awq_groups(model, calib: Calibration, quantizer_for) -> list:
                 continue
             fq = quantizer_for([f"{n}.weight" for n in names])
             if fq is not None:  # None: stays float, nothing to gain
-                groups.append((label, lins, names, producer, kv, producer_name, fq))
+                groups.append(AwqGroup(label, lins, names, producer, kv, producer_name, fq))
     return groups
 
 
@@ -416,27 +422,26 @@ def apply_awq(model, calib: Calibration, quantizer_for, quantize_input=None,
     ~5 s of its ~15 s.)"""
     groups = _awq_groups(model, calib, quantizer_for)
 
-    def search(group):
-        _label, lins, names, _producer, kv, _producer_name, fq = group
-        weights = [lin.weight.detach().float().numpy() for lin in lins]
-        return search_scale(calib.stats[names[0]], weights, fq, quantize_input, activations,
-                            tie=kv[0] if kv else None, threads=1)
+    def search(g: AwqGroup):
+        weights = [lin.weight.detach().float().numpy() for lin in g.linears]
+        return search_scale(calib.stats[g.names[0]], weights, g.quantize, quantize_input,
+                            activations, tie=g.kv[0] if g.kv else None)
 
     report = {}
     with one_torch_thread(), ThreadPoolExecutor(min(len(groups), host_threads()) or 1) as pool:
         searches = [pool.submit(search, g) for g in groups]
         try:
-            for (label, lins, names, producer, kv, producer_name, _fq), fut in zip(groups, searches):
+            for g, fut in zip(groups, searches):
                 chosen, s, err, base = fut.result()
-                report[label] = {"scale": chosen, "error_ratio": err / base if base else 1.0}
+                report[g.label] = {"scale": chosen, "error_ratio": err / base if base else 1.0}
                 if chosen == "awq 0.0":
                     continue
-                _scale_inputs(lins, s)
-                rows = kv[1](s) if kv else s
-                _scale_outputs(producer, rows)
-                if producer_name in calib.out_grad_sq:  # y / s has gradient s * dL/dy
-                    calib.out_grad_sq[producer_name] = calib.out_grad_sq[producer_name] * rows ** 2
-                for n in names:
+                _scale_inputs(g.linears, s)
+                rows = g.kv[1](s) if g.kv else s
+                _scale_outputs(g.producer, rows)
+                if g.producer_name in calib.out_grad_sq:  # y / s has gradient s * dL/dy
+                    calib.out_grad_sq[g.producer_name] = calib.out_grad_sq[g.producer_name] * rows ** 2
+                for n in g.names:
                     calib.stats[n] = calib.stats[n].scaled(s)
         finally:
             for fut in searches:  # an error or Ctrl-C: start no further search
@@ -660,8 +665,6 @@ def fisher_units(model, calib, candidates: list, importance: dict | None = None,
     must be untied first if the build quantizes a copy of a tied embedding (untie_head).
     `exact`: round with the formats' own quantizers (importance-weighted); default: their
     round-to-nearest stand-in (calibration.fast_round_trip), ~50x cheaper on a whole model."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from .formats import FORMATS, fake_quantize
     from .mix import Unit
     from .simulation import merged_names, plan_linears

@@ -265,3 +265,42 @@ def test_build_falls_back_to_the_closest_log_and_says_so(tmp_path):
     # a tuner never counts another CPU's records as its own trials
     assert make_tuning_log(str(root / "cpu-x86_64-avx512"), spr.hw_key(),
                            warn=lambda m: None).count(normalize(k1)) == 0
+
+
+def test_search_never_seeds_from_marked_records(tmp_path):
+    """The generic kernel's and the rule grid's records only mark the unscheduled kernel:
+    MetaSchedule's search must not seed from them (it would measure the unscheduled kernel as a
+    trial carrying the mark, which was then neither counted as a trial nor told apart from the
+    grid point). A trial replayed from a mark, as older logs hold, is a plain trial."""
+    from tvm.s_tir import Schedule
+    from tvm.s_tir.meta_schedule.database import TuningRecord
+
+    from tvm_llm.tune.log import GENERIC_MARK, RULE_GRID_MARK, is_trial_record
+    from tvm_llm.tune.rule_grid import grid_label, grid_record, measured_labels
+
+    d = str(tmp_path / "log")
+    (k1,) = static_kernels((1,))
+    wl_mod = normalize(k1)
+    db = make_tuning_log(d, HW)
+    wl = db.commit_workload(wl_mod)
+    args = record(k1).args_info
+
+    def marked(key, val, secs, replayed=False):
+        sch = Schedule(wl_mod)
+        sch.annotate(sch.get_sblock("root"), key, val)
+        if replayed:
+            sch.enter_postproc()  # what the search's replay of a marked record records
+        return TuningRecord(sch.trace, wl, [secs], SPEC.tvm_target(), args)
+
+    db.commit_tuning_record(grid_record(wl_mod, "GEMV 2x4", [1e-6], SPEC.tvm_target(), args))
+    db.commit_tuning_record(marked(GENERIC_MARK, 1, 2e-6))
+    replayed = marked(RULE_GRID_MARK, "GEMV 1x4", 3e-6, replayed=True)
+    db.commit_tuning_record(replayed)
+    commit(db, record(k1, 4e-6))
+    assert grid_label(replayed) is None and is_trial_record(replayed)
+    seeds = db.get_top_k(wl, 10)  # what EvolutionarySearch seeds its population from
+    assert [float(r.run_secs[0]) for r in seeds] == [3e-6, 4e-6]
+    assert len(db.get_top_k(wl, 1)) == 1
+    assert [float(r.run_secs[0]) for r in db.ranked(wl)] == [1e-6, 2e-6, 3e-6, 4e-6]
+    assert db.count(wl_mod) == 2 and make_tuning_log(d, HW).count(wl_mod) == 2
+    assert measured_labels(db, wl) == {"GEMV 2x4"}

@@ -104,31 +104,31 @@ def closest_key(wanted: str, keys) -> str | None:
 GENERIC_MARK = "tvm_llm.generic_kernel"
 
 
-def is_generic_record(record) -> bool:
-    """A record of how fast the generic kernel (our rules' schedule of the symbolic kernel) ran
-    at the bucket's size: its trace only annotates the root block with GENERIC_MARK. When it is
-    a kernel's best record, the build keeps the generic kernel for that bucket."""
-    try:  # exactly that trace: searches seeded from it add instructions and are tuned records
-        insts = list(record.trace.insts)
-        return ([i.kind.name for i in insts] == ["GetSBlock", "Annotate"]
-                and str(insts[1].attrs[0]) == GENERIC_MARK)
-    except Exception:  # pylint: disable=broad-except
-        return False
-
-
 RULE_GRID_MARK = "tvm_llm.rule_grid"
 
 
 def marked_label(record, key: str) -> str | None:
-    """The value of a root-block annotation `key` in a record's trace, None if absent."""
+    """The value `key` annotates the root block with when the record's trace is exactly that
+    mark (the records the tuner makes itself: GENERIC_MARK, RULE_GRID_MARK), else None.
+    A MetaSchedule trial replayed from such a record (the unscheduled kernel plus the mark and
+    an EnterPostproc, as older logs hold) is a trial like any other, not the marked kernel."""
     try:
-        for inst in record.trace.insts:
-            if inst.kind.name == "Annotate" and str(inst.attrs[0]) == key:
-                val = inst.inputs[1]
-                return str(getattr(val, "value", val))
+        insts = list(record.trace.insts)
+        if [i.kind.name for i in insts] != ["GetSBlock", "Annotate"]:
+            return None
+        if str(insts[1].attrs[0]) != key:
+            return None
+        val = insts[1].inputs[1]
+        return str(getattr(val, "value", val))
     except Exception:  # pylint: disable=broad-except
         return None
-    return None
+
+
+def is_generic_record(record) -> bool:
+    """A record of how fast the generic kernel (our rules' schedule of the symbolic kernel) ran
+    at the bucket's size: its trace only annotates the root block with GENERIC_MARK. When it is
+    a kernel's best record, the build keeps the generic kernel for that bucket."""
+    return marked_label(record, GENERIC_MARK) is not None
 
 
 def is_trial_record(record) -> bool:
@@ -356,7 +356,15 @@ def make_tuning_log(log_dir: str, hw_key: str, warn=None):
             self._append(record)
 
         def get_top_k(self, workload, top_k):
-            return self.mem.get_top_k(workload, top_k)
+            """MetaSchedule's search seeds its population from these: only its own trials.
+            A marked record's trace (generic kernel, grid point) replays as the unscheduled
+            kernel, which the search would then measure as a trial carrying the mark."""
+            ranked = self.mem.get_top_k(workload, 1 << 30)
+            return [r for r in ranked if is_trial_record(r)][:top_k]
+
+        def ranked(self, workload):
+            """Every record of `workload`, fastest first, marked ones included."""
+            return self.mem.get_top_k(workload, 1 << 30)
 
         def get_all_tuning_records(self):
             return self.mem.get_all_tuning_records()

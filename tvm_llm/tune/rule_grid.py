@@ -40,8 +40,8 @@ def schedule_at(mod, target_spec, label: str):
 
 
 def measured_labels(db, wl) -> set:
-    """Grid points the log already has for workload `wl`."""
-    return {lab for rec in db.get_top_k(wl, 1 << 20) if (lab := grid_label(rec))}
+    """Grid points the tuning log `db` (make_tuning_log) already has for workload `wl`."""
+    return {lab for rec in db.ranked(wl) if (lab := grid_label(rec))}
 
 
 def measure_rule_grid(task, spec, builder, runner, db, log) -> dict:

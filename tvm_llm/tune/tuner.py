@@ -440,6 +440,9 @@ def tune_module(mod, spec, buckets, trials: int = DEFAULT_TRIALS, log_dir: str |
                     builder=builder, runner=runner, database=db, cost_model=cost_model,
                     measure_callbacks=callbacks, task_scheduler="round-robin")
                 summary["trials_run"] = progress.done
+                if state["trials"] < trials:
+                    log(f"[tvm-llm]   {task.name}: MetaSchedule's search found no further "
+                        f"distinct schedule after {state['trials']} trial(s); moving on")
     except BaseException as e:  # KeyboardInterrupt may arrive wrapped by the FFI
         if _is_interrupt(e) or stop["stop"]:  # the FFI may rewrap it as RuntimeError
             log(f"[tvm-llm] interrupted: every measured record is in {log_dir}; rerun the same "
@@ -514,7 +517,7 @@ def _generic_seconds(db, task):
     from .log import is_generic_record, mean_seconds
 
     wl = db.commit_workload(task.extracted.dispatched[0])
-    for rec in db.get_top_k(wl, 1 << 20):
+    for rec in db.ranked(wl):
         if is_generic_record(rec):
             return mean_seconds(rec)
     return None
@@ -525,7 +528,7 @@ def _best_seconds(db, task):
     from .log import is_generic_record, mean_seconds
 
     wl = db.commit_workload(task.extracted.dispatched[0])
-    for rec in db.get_top_k(wl, 1 << 20):
+    for rec in db.ranked(wl):
         if not is_generic_record(rec):
             return mean_seconds(rec)
     return None

@@ -210,12 +210,14 @@ FLOAT_BUILDS = {"bf16": "bfloat16", "fp16": "float16"}
 
 def tvm_build_options(q: str) -> dict:
     """build() options of a --quantization entry: q8 / q4 (our defaults for this CPU), a format
-    name (q8_0, q4_0, q4_1, q4_k: float activations), a format with `_a8` (int8 activations),
-    or bf16 / fp16 (an unquantized build in that dtype: --dtype bfloat16 / float16)."""
+    name (q8_0, q4_0, q4_1, q4_k: the build's default activations for this CPU, int16 where it
+    has VNNI), a format with `_a8` / `_a16` / `_float` (int8 / int16 / float activations), or
+    bf16 / fp16 (an unquantized build in that dtype: --dtype bfloat16 / float16)."""
     if q in FLOAT_BUILDS:
         return dict(dtype=FLOAT_BUILDS[q])
-    if q.endswith("_a8"):
-        return dict(quantization=q[:-3], activations="int8")
+    for suffix, activations in (("_a8", "int8"), ("_a16", "int16"), ("_float", "float")):
+        if q.endswith(suffix):
+            return dict(quantization=q[:-len(suffix)], activations=activations)
     if q in CLI_RECIPES:  # q4 / q8 as `tvm-llm build --quantization` makes them
         return dict(quantization=q, **CLI_RECIPES[q])
     return dict(quantization=q)
@@ -315,8 +317,9 @@ def main(argv=None):
     p.add_argument("--quantization", default="fp32",
                    help="comma list of builds to measure: fp32, bf16 / fp16 (unquantized builds "
                         "with --dtype bfloat16 / float16), q8, q4 (our defaults), a format "
-                        "(q8_0, q4_0, q4_1, q4_k; float activations) or a format with _a8 (int8 "
-                        "activations), e.g. fp32,bf16,q8,q4,q4_k,q4_0_a8 (default fp32)")
+                        "(q8_0, q4_0, q4_1, q4_k; the build's default activations) or a format "
+                        "with _a8 / _a16 / _float (int8 / int16 / float activations), e.g. "
+                        "fp32,bf16,q8,q4,q4_k,q4_0_a8,q4_0_float (default fp32)")
     p.add_argument("--llamacpp", default="",
                    help="comma list of llama.cpp formats measured in the same run (F32, F16, BF16, Q8_0, "
                         "Q4_0, Q4_K_M); needs llama-cpp-python, see scripts/llamacpp_ref.py")

@@ -3,7 +3,7 @@
 
 For each Llama linear shape it builds the exact kernels the QuantizeLinear pass emits
 (weight-only: the dequantize TE of tvm_llm/quantization/kernels.py scheduled by our CPU rules;
-`_a8`: the int8-activation VNNI kernel, schedules/cpu/int8_act_matmul.py) and times decode
+`_a8` / `_a16`: the VNNI kernel with int8 / int16 activations, schedules/cpu/int8_act_matmul.py) and times decode
 (x: 1 x 1 x K, `--rows 1`) or prefill (x: 1 x n x K, `--rows n`), cycling over enough weight
 copies to defeat the last-level cache. Prints ms, bytes of packed weights read per call, GB/s,
 the fraction of the machine's read bandwidth measured in the same run (torch sum over a 512 MB
@@ -13,7 +13,7 @@ layout-free, so fp32 runs the GEMM over weights packed once, as a build packs th
 weight-only prefill the target's choice of rule; x86-64-v3 gives AVX2 code, which runs here).
 
     python scripts/bench_quant_kernels.py --threads 2 [--models 110m,1b] [--only qkv,down]
-        [--schemes fp32,q8_0,q4_0,q4_1,q4_k,q8_0_a8,q4_0_a8,q4_1_a8,q4_k_a8] [--rows 1|128]
+        [--schemes fp32,q8_0,q4_0,q4_1,q4_k,q8_0_a8,q4_0_a8,q4_1_a8,q4_k_a8,q4_k_a16] [--rows 1|128]
         [--arch x86-64-v3]
 """
 from __future__ import annotations
@@ -65,13 +65,15 @@ SHAPES = {  # name: (K, N)
 
 
 def _scheme(name):
-    """None (fp32) or (format, layout): `q4_k` weight-only, `q4_k_a8` int8 activations."""
+    """None (fp32) or (format, layout, activation bits): `q4_k` weight-only (float
+    activations), `q4_k_a8` / `q4_k_a16` int8 / int16 activations (the VNNI kernel)."""
     if name == "fp32":
         return None
-    fmt = name[:-3] if name.endswith("_a8") else name
-    if fmt not in FORMATS:
-        raise SystemExit(f"unknown scheme {name!r}: fp32 or a format of {', '.join(FORMATS)}, _a8 for int8 activations")
-    return fmt, ("vnni" if name.endswith("_a8") else "rows")
+    fmt, _, bits = name.partition("_a")
+    if fmt not in FORMATS or bits not in ("", "8", "16"):
+        raise SystemExit(f"unknown scheme {name!r}: fp32 or a format of {', '.join(FORMATS)}, "
+                         "_a8 / _a16 for int8 / int16 activations")
+    return fmt, ("vnni" if bits else "rows"), int(bits or 0)
 
 
 def kernel_module(K: int, N: int, scheme):
@@ -81,7 +83,7 @@ def kernel_module(K: int, N: int, scheme):
     bb = relax.BlockBuilder()
     b = tvm.tirx.Var("b", "int64")
     x = relax.Var("x", relax.TensorType([b, 1, K] if ARGS.rows == 1 else [1, b, K], "float32"))
-    shapes = [([N, K], "float32")] if scheme is None else kernels.stored_shapes(N, K, *scheme)
+    shapes = [([N, K], "float32")] if scheme is None else kernels.stored_shapes(N, K, *scheme[:2])
     ws = [relax.Var(f"w{i}", relax.TensorType(shape, dtype)) for i, (shape, dtype) in enumerate(shapes)]
     spec = get_target("llvm", arch=ARGS.arch)
     name = "decode" if ARGS.rows == 1 else "prefill"  # a model function: its packing is lifted
@@ -91,7 +93,7 @@ def kernel_module(K: int, N: int, scheme):
                 y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(ws[0])))
             else:
                 y = bb.emit(emit_quantized_matmul(bb, x, ws, scheme[0], scheme[1], K, N,
-                                                  "float32", spec))
+                                                  "float32", spec, scheme[2] or 8))
             out = bb.emit_output(y)
         bb.emit_func_output(out)
     mod = bb.get()
@@ -108,7 +110,7 @@ def kernel_module(K: int, N: int, scheme):
 
 
 def stored_weights(w: np.ndarray, scheme):
-    return [w] if scheme is None else stored_np(w, *scheme)
+    return [w] if scheme is None else stored_np(w, *scheme[:2])
 
 
 def _reference(x, w, scheme):
@@ -118,7 +120,7 @@ def _reference(x, w, scheme):
 
     wd = fake_quantize(w, scheme[0])
     if scheme[1] == "vnni":
-        x = fake_quantize_activation(x)
+        x = fake_quantize_activation(x, scheme[2])
     return x.reshape(-1, x.shape[-1]) @ wd.T
 
 

@@ -30,7 +30,9 @@ class Simulated(WeightSwap):
                     self.saved.append((mod, mod.weight.data))
                     w = mod.weight.detach().float().numpy()
                     mod.weight.data = torch.from_numpy(fake_quantize(w, entry["format"]))
-                if entry["activations"] == "int8" and isinstance(mod, torch.nn.Linear):
+                bits = {"int8": 8, "int16": 16}.get(entry["activations"])
+                if bits and isinstance(mod, torch.nn.Linear):
                     self.hooks.append(mod.register_forward_pre_hook(
-                        lambda _m, a: (torch.from_numpy(fake_quantize_activation(a[0].numpy())),) + a[1:]))
+                        lambda _m, a, bits=bits: (torch.from_numpy(fake_quantize_activation(a[0].numpy(), bits)),)
+                        + a[1:]))
         return self

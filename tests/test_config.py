@@ -15,7 +15,9 @@ from tvm_llm.errors import UserError
 def test_create_resolves_target_dtype_scheme_and_budget():
     c = BuildConfig.create(quantization="q4_0", max_memory="4GB", page_size=32)
     assert c.spec.name == "llvm" and c.dtype == "float32"
-    assert c.scheme.format == "q4_0" and c.scheme.activations == "float"
+    # an exact format name: 16-bit activations where the host has int8 dot products (VNNI)
+    assert c.scheme.format == "q4_0" and c.scheme.activations == ("int16" if c.spec.supports_int8_dot() else "float")
+    assert BuildConfig.create(quantization="q4_0", target="cuda", arch="sm_90").scheme.activations == "float"
     assert c.budget.bytes == 4 * 10**9 and c.page_size == 32
     assert BuildConfig.create(target="cuda", arch="sm_90").dtype == "float16"  # the GPU default
     with pytest.raises(Exception):

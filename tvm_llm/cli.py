@@ -207,10 +207,12 @@ def _add_quantization_args(p, default=None) -> None:
                         "VNNI), or exactly one format: q8_0, q4_0, q4_1, q4_k (README)")
     p.add_argument("--group-size", type=_positive_int, default=32,
                    help="weights per scale along the input dimension (32; every format uses 32)")
-    p.add_argument("--activations", default=None, metavar="float|int8",
-                   help="int8: quantize each linear's input per token, one scale per 32 inputs, "
-                        "and multiply with integer dot products (AVX-512 VNNI); float: weight-only. "
-                        "Default: int8 for q8/q4 on CPUs with VNNI, else float")
+    p.add_argument("--activations", default=None, metavar="float|int8|int16",
+                   help="int8: quantize each linear's input with one scale per 32 inputs and "
+                        "multiply with integer dot products (AVX-512 VNNI); int16: the same at 16 "
+                        "bits per input (as two int8 halves: float activations' accuracy, twice "
+                        "the dot products); float: weight-only. Default on CPUs with VNNI: int8 "
+                        "for q8/q4, int16 for exact format names; else float")
 
 
 def _add_model_dir_arg(p) -> None:

@@ -127,9 +127,9 @@ class BuildConfig:
         scheme = parse_scheme(self.quantization, self.group_size, self.activations,
                               self.keep_float, int8_dot=spec.supports_int8_dot(),
                               plan=self.quant_plan)
-        if scheme is not None and scheme.activations == "int8" and not spec.supports_int8_dot():
-            raise UserError(f"--activations int8 needs int8 dot-product instructions; target "
-                            f"{spec.describe()} has none (use weight-only --quantization)")
+        if scheme is not None and scheme.activations in ("int8", "int16") and not spec.supports_int8_dot():
+            raise UserError(f"--activations {scheme.activations} needs int8 dot-product instructions; "
+                            f"target {spec.describe()} has none (use weight-only --quantization)")
         if scheme is None and self.calibrating:
             raise UserError("--calibration/--calibrate/--bits-per-weight need --quantization")
         if self.bits_count not in ("all", "body"):

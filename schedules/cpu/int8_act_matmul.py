@@ -10,6 +10,18 @@ At batch 1 this runs on the calling thread before the one parallel region of the
 ~K/32 blocks of a few vector instructions: cheaper than a second thread-pool launch); from 8
 rows on, rows are quantized in parallel.
 
+16-bit activations (act_bits 16, `--activations int16`, the default of exact format names on
+VNNI CPUs): q = round(x * 32512 / max|x|) per block (s = max|x| / 32512, 127 * 256 levels, an
+error <= 2^-16 of the block's max |x|, ~250x under int8's), held as two int8 halves, hi =
+round(q / 256) in [-127, 127] (an arithmetic shift) and lo = q - 256 hi in [-128, 127]. Each
+group runs the 8 vpdpbusd twice over the same unpacked tiles, one chain per half, joined as
+(hi chain << 8) + lo chain, exact in int32; everything after (scales, offsets, the block sums
+in xo) is the 8-bit path's with this s. So a weight format keeps float activations' accuracy
+(on a real model: their perplexity) with integer dot products: no per-weight float convert,
+and the "vnni" layout's bytes (q4_k 4.5 bits per weight, not the weight-only layout's 6.0).
+Decode costs about what int8's does where memory bounds it; prefill and batched rows pay
+the doubled dot products.
+
 Weight layout (packed at build time by quantization/scheme.pack_vnni from the numpy
 reference's stored arrays), per 16 output rows (a tile) and group g of 32 inputs:
     4-bit  wp[N/16, K/32, 4, 64] uint8: chunk c holds two VNNI tiles, low nibbles = tile 2c,
@@ -122,11 +134,15 @@ def chunks_per_group(fmt) -> int:
     return 4 if fmt.bits == 4 else 8
 
 
-def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32") -> tvm.tirx.PrimFunc:
+def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
+                         act_bits: int = 8) -> tvm.tirx.PrimFunc:
     """The kernel for x: (A, B, K) float32 -> (A, B, N) and weights of format `fmt` (a
     quantization.formats.WeightFormat) in the layout above. N = None: N / 16 tiles left
     symbolic (bound by the weight buffer's first dimension): one parse serves every N of this
-    K, each shape then being `specialize_n`'s (TVMScript parsing took ~1 s per kernel)."""
+    K, each shape then being `specialize_n`'s (TVMScript parsing took ~1 s per kernel).
+    act_bits 16: 16-bit activations as two int8 halves (see "16-bit activations" above)."""
+    if act_bits not in (8, 16):
+        raise ValueError(f"int8-activation matmul takes 8 or 16-bit activations, not {act_bits}")
     if (N is not None and N % TILE_N) or K % GROUP:
         raise ValueError(f"int8-activation matmul needs N % 16 == 0 and K % 32 == 0 (N={N}, K={K})")
     from tvm_llm.quantization.formats import super_groups
@@ -145,6 +161,8 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32")
     f16 = "float16"
     xo_dtype = "int32" if kind == "sym" else "float32"
     pf_groups = PREFETCH_BYTES // (C * 64)
+    wide = act_bits == 16
+    QMAX = 127 * 256 if wide else 127  # |q| bound of an activation block (q = hi * 256 + lo)
 
     @T.macro
     def prefetch(wp, nt, g):
@@ -204,7 +222,7 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32")
             ab[1] = T.Cast("float32x16", p3[nt, g // S, T.Ramp(0, 1, TILE_N)]) \
                 * kquant_code(p0, p1, nt, g, 1) * T.Broadcast(T.float32(-1), TILE_N)
 
-    def dot_chain(init, tiles, xq, r, g):
+    def dot_chain8(init, tiles, xq, r, g):
         """The group's int32 dot products of row r of x with the 16 rows: one expression (a
         chain of 8 vpdpbusd from `init`), not a local accumulator buffer, so that LLVM keeps
         it in a register whatever the TIR pipeline does with local buffers (in the build's
@@ -215,6 +233,15 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32")
             acc = T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc, tiles[t],
                                           T.reinterpret("int8x64", T.Broadcast(a4, TILE_N)))
         return acc
+
+    def dot_chain(init, tiles, xq, r, g):
+        """8-bit: one chain over xq[0]. 16-bit: q = hi * 256 + lo, so the dot product is
+        (hi chain) * 256 + (lo chain from init): two independent chains over the same tiles,
+        joined by a shift and an add (exact in int32: |hi chain| <= 32 * 255 * 127)."""
+        if not wide:
+            return dot_chain8(init, tiles, xq[0], r, g)
+        hi = dot_chain8(T.Broadcast(T.int32(0), TILE_N), tiles, xq[0], r, g)
+        return T.shift_left(hi, T.Broadcast(T.int32(8), TILE_N)) + dot_chain8(init, tiles, xq[1], r, g)
 
     def group_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u, j):
         """Decode (one row of x): the tile's 16 sums over group g = u * U + j (block u, its
@@ -275,23 +302,35 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32")
 
     @T.macro
     def quantize_row(x, xq, xs, xo, r, B):
-        """Row r of x as int8 with one scale per 32 (xs) and the block's offset term (xo), in
-        vector expressions: a block is two 16-lane loads, a shuffle-tree max, two rounded
-        converts and a shuffle-tree sum (written per lane with local buffers, TVM scalarized
-        the rounding: 32 scalar converts and byte stores per block)."""
+        """Row r of x as int8 (16-bit: as hi, lo int8 halves, q = hi * 256 + lo) with one scale
+        per 32 (xs) and the block's offset term (xo), in vector expressions: a block is two
+        16-lane loads, a shuffle-tree max, two rounded converts and a shuffle-tree sum
+        (written per lane with local buffers, TVM scalarized the rounding: 32 scalar converts
+        and byte stores per block)."""
         for g in range(NG):
             amax = T.alloc_buffer((1,), "float32", scope="local")
             amax[0] = hmax(T.max(T.abs(x[r // B, r % B, T.Ramp(g * GROUP, 1, 16)]),
                                  T.abs(x[r // B, r % B, T.Ramp(g * GROUP + 16, 1, 16)])), 16)
-            xs[r, g] = amax[0] / T.float32(127)
-            inv = T.Broadcast(T.Select(amax[0] > T.float32(0), T.float32(127) / amax[0], T.float32(0)), 16)
-            hi, lo = T.Broadcast(T.float32(127), 16), T.Broadcast(T.float32(-127), 16)
+            xs[r, g] = amax[0] / T.float32(QMAX)
+            inv = T.Broadcast(T.Select(amax[0] > T.float32(0), T.float32(QMAX) / amax[0], T.float32(0)), 16)
+            hi, lo = T.Broadcast(T.float32(QMAX), 16), T.Broadcast(T.float32(-QMAX), 16)
             q0 = T.Cast("int32x16", T.max(T.min(T.nearbyint(x[r // B, r % B, T.Ramp(g * GROUP, 1, 16)] * inv),
                                                 hi), lo))
             q1 = T.Cast("int32x16", T.max(T.min(T.nearbyint(x[r // B, r % B, T.Ramp(g * GROUP + 16, 1, 16)] * inv),
                                                 hi), lo))
-            xq[r, T.Ramp(g * GROUP, 1, 16)] = T.Cast("int8x16", q0)
-            xq[r, T.Ramp(g * GROUP + 16, 1, 16)] = T.Cast("int8x16", q1)
+            if wide:
+                # hi = round(q / 256) in [-127, 127] (an arithmetic shift), lo = q - 256 hi in [-128, 127]
+                h0 = T.shift_right(q0 + T.Broadcast(T.int32(128), 16), T.Broadcast(T.int32(8), 16))
+                h1 = T.shift_right(q1 + T.Broadcast(T.int32(128), 16), T.Broadcast(T.int32(8), 16))
+                xq[0][r, T.Ramp(g * GROUP, 1, 16)] = T.Cast("int8x16", h0)
+                xq[0][r, T.Ramp(g * GROUP + 16, 1, 16)] = T.Cast("int8x16", h1)
+                xq[1][r, T.Ramp(g * GROUP, 1, 16)] = T.Cast(
+                    "int8x16", q0 - T.shift_left(h0, T.Broadcast(T.int32(8), 16)))
+                xq[1][r, T.Ramp(g * GROUP + 16, 1, 16)] = T.Cast(
+                    "int8x16", q1 - T.shift_left(h1, T.Broadcast(T.int32(8), 16)))
+            else:
+                xq[0][r, T.Ramp(g * GROUP, 1, 16)] = T.Cast("int8x16", q0)
+                xq[0][r, T.Ramp(g * GROUP + 16, 1, 16)] = T.Cast("int8x16", q1)
             if kind == "sym":
                 xo[r, g] = hsum(q0 + q1, 16) * T.int32(-int(off))
             else:
@@ -299,7 +338,9 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32")
 
     @T.macro
     def kernel(x, y, wp, p0, p1, p2, p3, A, B):
-        xq = T.alloc_buffer((A * B, K), "int8")
+        xq_hi = T.alloc_buffer((A * B, K), "int8")
+        xq_lo = T.alloc_buffer((A * B, K if wide else 1), "int8")
+        xq = (xq_hi, xq_lo)
         xs = T.alloc_buffer((A * B, NG), "float32")
         xo = T.alloc_buffer((A * B, NG), xo_dtype)  # sym: -offset * sum(q); else xs * sum(q)
         # 1. int8 activations, one scale per block of 32 (rows in parallel once there are many)

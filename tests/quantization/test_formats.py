@@ -114,6 +114,27 @@ def test_activation_round_trip_per_block():
     assert np.all(fake_quantize_activation(np.zeros((1, 32), np.float32)) == 0)
 
 
+def test_16_bit_activations_split_into_int8_halves():
+    """The kernel's 16-bit activations: q in [-32512, 32512] per block, 256x finer than int8,
+    and q = 256 hi + lo with hi = (q + 128) >> 8 in [-127, 127], lo in [-128, 127] (int8 each,
+    the signed operand of vpdpbusd)."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    x[0, 7] = 2e4
+    x[1, 32:64] = np.linspace(-1, 1, 32)  # the block's max at both signs: q = +-32512
+    q, s = quantize_activation(x, 16)
+    assert q.dtype == np.int32 and np.abs(q).max() == 127 * 256
+    err16 = np.abs(fake_quantize_activation(x, 16) - x)
+    # half a step, and float32's rounding of x * (Q / max|x|) (~2e-3 of a step at |q| ~ 32512)
+    assert np.all(err16 <= np.repeat(s, ACTIVATION_BLOCK, -1) * 0.504)
+    err8 = np.abs(fake_quantize_activation(x) - x)
+    assert err16[1:].max() * 200 < err8[1:].max()  # rows without the outlier: ~256x finer
+    hi = (q + 128) >> 8
+    lo = q - 256 * hi
+    assert hi.min() >= -127 and hi.max() <= 127 and lo.min() >= -128 and lo.max() <= 127
+    assert np.array_equal(hi * 256 + lo, q)
+
+
 def test_plan_format_for_merged_and_bits():
     plan = QuantPlan("q4_k", "int8", {"model.layers.0.self_attn.k_proj.weight": "q8_0",
                                       "lm_head.weight": "float"})

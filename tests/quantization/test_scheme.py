@@ -31,7 +31,7 @@ def _has_vnni():
     return bool(tvm.target.codegen.llvm_cpu_has_features("avx512vnni", t))
 
 
-def _scheduled_matmul(K, N, fmt, layout, x_shape, target=None, kernels_out=None):
+def _scheduled_matmul(K, N, fmt, layout, x_shape, target=None, kernels_out=None, act_bits=8):
     """The pass's matmul kernel (x of x_shape, may be symbolic) scheduled by our CPU rules as
     an x86 build schedules it (weight-only prefill through the dequantize-panel GEMM);
     `kernels_out`, a dict, receives the scheduled PrimFuncs by name."""
@@ -42,7 +42,7 @@ def _scheduled_matmul(K, N, fmt, layout, x_shape, target=None, kernels_out=None)
     with bb.function("main", [x] + ws):
         with bb.dataflow():
             y = bb.emit(emit_quantized_matmul(bb, x, ws, fmt, layout, K, N, "float32",
-                                              get_target("llvm")))
+                                              get_target("llvm"), act_bits))
             y = bb.emit(relax.op.nn.silu(y))  # an epilogue FuseOps fuses into the matmul
             out = bb.emit_output(y)
         bb.emit_func_output(out)
@@ -59,11 +59,12 @@ def _scheduled_matmul(K, N, fmt, layout, x_shape, target=None, kernels_out=None)
     return relax.VirtualMachine(ex, tvm.cpu())
 
 
-CASES = [(f, "rows") for f in sorted(FORMATS)] + [(f, "vnni") for f in sorted(FORMATS)]
+# (format, layout, activation bits of the vnni kernel)
+CASES = [(f, "rows", 0) for f in sorted(FORMATS)] + [(f, "vnni", b) for f in sorted(FORMATS) for b in (8, 16)]
 
 
-@pytest.mark.parametrize("fmt,layout", CASES, ids=[f"{f}-{lay}" for f, lay in CASES])
-def test_scheduled_quantized_matmul_matches_reference(fmt, layout):
+@pytest.mark.parametrize("fmt,layout,bits", CASES, ids=[f"{f}-{lay}{b or ''}" for f, lay, b in CASES])
+def test_scheduled_quantized_matmul_matches_reference(fmt, layout, bits):
     if layout == "vnni" and not _has_vnni():
         pytest.skip("the int8-activation kernel needs AVX-512 VNNI on the host")
     K, N = 480, 48  # K = 480: 15 groups, q4_k super-blocks of 5 (an odd count of groups)
@@ -76,15 +77,18 @@ def test_scheduled_quantized_matmul_matches_reference(fmt, layout):
     for mode, rows in [("decode", 1), ("decode", 3), ("prefill", 9)]:  # 9: rows quantized in parallel
         sym = tvm.tirx.Var("n", "int64")
         x_shape = (sym, 1, K) if mode == "decode" else (1, sym, K)
-        vm = _scheduled_matmul(K, N, fmt, layout, x_shape)
+        vm = _scheduled_matmul(K, N, fmt, layout, x_shape, act_bits=bits or 8)
         x = rng.standard_normal((rows, 1, K) if mode == "decode" else (1, rows, K)).astype("float32")
         x[..., 100] = 40.0  # an activation outlier: only its block's scale grows
         dev = tvm.cpu()
         got = vm["main"](tvm.runtime.tensor(x, dev), *[tvm.runtime.tensor(a, dev) for a in arrays]).numpy()
-        xr = fake_quantize_activation(x) if layout == "vnni" else x
+        xr = fake_quantize_activation(x, bits) if layout == "vnni" else x
         y = xr.astype(np.float64) @ wd.T.astype(np.float64)
         ref = y / (1 + np.exp(-y))
         assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), (mode, rows)
+        if bits == 16:  # 16-bit activations: float activations' result within 2e-4
+            yf = x.astype(np.float64) @ wd.T.astype(np.float64)
+            assert np.abs(got - yf / (1 + np.exp(-yf))).max() < 2e-4 * np.abs(yf).max(), (mode, rows)
 
 
 @pytest.mark.parametrize("fmt", ["q4_k", "q8_0"])
@@ -153,7 +157,9 @@ def test_parse_scheme_names_defaults_and_refusals():
     assert parse_scheme("q4", keep_float="0, lm_head").keep_float == ("0", "lm_head")
     assert parse_scheme("q4").format == "q4_k" and parse_scheme("q8").format == "q8_0"
     assert parse_scheme("q4", int8_dot=True).activations == "int8"
-    assert parse_scheme("q4_0", int8_dot=True).activations == "float"  # exact names: as asked
+    assert parse_scheme("q4_0", int8_dot=True).activations == "int16"  # exact names: float's accuracy
+    assert parse_scheme("q4_0", int8_dot=True).tag == "q4_0_a16"
+    assert parse_scheme("q4_0", activations="float", int8_dot=True).activations == "float"
     assert parse_scheme("q4").activations == "float"  # no int8 dot products
     assert parse_scheme("q4_1", activations="int8").tag == "q4_1_a8"
     for kwargs, text in [(dict(quantization="q3"), "unknown --quantization"),

@@ -6,9 +6,11 @@ as MergeParallelLinear's concatenation), into
 
     stored = call_pure_packed("tvm_llm.quantize_weight", W, format, layout, names)
     weight-only:      y = dequantize_matmul(x, *stored)     (dequantize inlined by schedules)
-    int8 activations: y = int8_act_matmul(x, *stored)       (the target's kernel: on CPU
+    int8 / int16 activations:
+                      y = int8_act_matmul(x, *stored)       (the target's kernel: on CPU
                                                              schedules/cpu/int8_act_matmul.py,
-                                                             VNNI, per-32-block activation scales)
+                                                             VNNI, per-32-block activation scales;
+                                                             int16 as two int8 halves)
 
 The quantize call reads only weights, so the folding phase lifts it into the build-time weight
 transform: the numpy reference quantizer (quantization/formats.py, with the plan's importance
@@ -28,7 +30,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..quantization import kernels
 from ..quantization.formats import get_format
-from ..quantization.plan import FLOAT
+from ..quantization.plan import FLOAT, INTEGER_ACTIVATIONS
 from ..quantization.scheme import QuantScheme, vnni_applies
 from .common import is_op, linear_parts, weight_params
 
@@ -144,8 +146,8 @@ class _Quantizer(PyExprMutator):
         fmt = FLOAT if self.scheme.keeps_float(names) else self.scheme.plan.format_for(names)
         if fmt == FLOAT or not get_format(fmt).applies_to(N, K):
             return FLOAT, None
-        int8 = self.scheme.activations == "int8" and vnni_applies(N, K) and int8_ok
-        return fmt, ("vnni" if int8 else "rows")
+        integer = self.scheme.activations in INTEGER_ACTIVATIONS and vnni_applies(N, K) and int8_ok
+        return fmt, ("vnni" if integer else "rows")
 
     def _stored(self, w, w_new, fmt, layout, key, N, K) -> list:
         cache = (w, fmt, layout)
@@ -206,7 +208,7 @@ class _Quantizer(PyExprMutator):
             self.report.setdefault("kept_float", {})[key] = [N, K]
             return super().visit_call_(call)
         self.report.setdefault("quantized", {})[key] = {
-            "shape": [N, K], "format": fmt, "activations": "int8" if layout == "vnni" else "float"}
+            "shape": [N, K], "format": fmt, "activations": self.scheme.activations if layout == "vnni" else "float"}
         bb = self.builder_
         x_new, w_new = self.visit_expr(x), self.visit_expr(w)
         out_dtype = call.attrs.out_dtype
@@ -214,7 +216,7 @@ class _Quantizer(PyExprMutator):
             else str(x.ty.dtype)
         stored = self._stored(w, w_new, fmt, layout, key, N, K)
         return emit_quantized_matmul(bb, x_new, stored, fmt, layout, K, N, out_dtype,
-                                     self.target_spec)
+                                     self.target_spec, INTEGER_ACTIVATIONS.get(self.scheme.activations, 8))
 
 
 def emit_quantize_weight(bb, w, fmt: str, layout: str, key: str, N: int, K: int) -> list:
@@ -228,17 +230,17 @@ def emit_quantize_weight(bb, w, fmt: str, layout: str, key: str, N: int, K: int)
 
 
 def emit_quantized_matmul(bb, x, stored: list, fmt: str, layout: str, K: int, N: int,
-                          out_dtype: str, target_spec=None):
+                          out_dtype: str, target_spec=None, act_bits: int = 8):
     """The expression y = x @ W^T for a weight W held as `stored` (scheme.pack's arrays of
     format `fmt` in `layout`): what the pass emits, and what the kernel benchmark and tests
-    build around the same kernels. The int8-activation ("vnni") kernel is the target's
-    (`target_spec.quantized_matmul_kernel`)."""
+    build around the same kernels. The integer-activation ("vnni") kernel is the target's
+    (`target_spec.quantized_matmul_kernel`), with `act_bits` 8 or 16 activations."""
     f = get_format(fmt)
     if layout == "vnni":
         if target_spec is None:
             raise ValueError("the int8-activation layout needs the target spec (its kernel)")
-        kernel = target_spec.quantized_matmul_kernel(fmt, K, N, out_dtype)
-        gv = bb.add_func(kernel, f"{fmt}_a8_matmul")
+        kernel = target_spec.quantized_matmul_kernel(fmt, K, N, out_dtype, act_bits)
+        gv = bb.add_func(kernel, f"{fmt}_a{act_bits}_matmul")
         shape = list(x.ty.shape)[:-1] + [N]
         return relax.call_tir(gv, relax.Tuple([x, *stored]),
                               out_ty=relax.TensorType(shape, out_dtype))

@@ -470,23 +470,28 @@ def fake_quantize(w: np.ndarray, fmt: str, importance: np.ndarray | None = None)
     return f.dequantize(f.quantize(w, importance))
 
 
-def quantize_activation(x: np.ndarray):
-    """(q int8 (..., K), s float32 (..., K/32)): x ~= q * s block-wise; the kernels' arithmetic
-    (s = max|x| / 127 per block of 32, q = round_half_even(x * (127 / max|x|)))."""
+ACTIVATION_QMAX = {8: 127, 16: 127 * 256}  # |q| bound per block: int8, or int8 halves hi * 256 + lo
+
+
+def quantize_activation(x: np.ndarray, bits: int = 8):
+    """(q (..., K), s float32 (..., K/32)): x ~= q * s block-wise; the kernels' arithmetic
+    (s = max|x| / Q per block of 32, q = round_half_even(x * (Q / max|x|)), Q = 127 for 8 bits;
+    16 bits: Q = 127 * 256, q int32, which the kernel holds as int8 halves q = hi * 256 + lo)."""
+    Q = ACTIVATION_QMAX[bits]
     x = np.asarray(x, dtype=np.float32)
     K = x.shape[-1]
     if K % ACTIVATION_BLOCK:
         raise ValueError(f"int8 activations need K % {ACTIVATION_BLOCK} == 0, got K = {K}")
     b = x.reshape(x.shape[:-1] + (K // ACTIVATION_BLOCK, ACTIVATION_BLOCK))
     amax = np.abs(b).max(axis=-1)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    q = np.clip(np.round(b * inv[..., None]), -127, 127).astype(np.int8)
-    return q.reshape(x.shape), (amax / np.float32(127)).astype(np.float32)
+    inv = np.where(amax > 0, np.float32(Q) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.round(b * inv[..., None]), -Q, Q).astype(np.int8 if bits == 8 else np.int32)
+    return q.reshape(x.shape), (amax / np.float32(Q)).astype(np.float32)
 
 
-def fake_quantize_activation(x: np.ndarray) -> np.ndarray:
-    """x after the int8 round trip of the int8-activation kernels (per 32-block scales)."""
-    q, s = quantize_activation(x)
+def fake_quantize_activation(x: np.ndarray, bits: int = 8) -> np.ndarray:
+    """x after the activation round trip of the integer kernels (per 32-block scales)."""
+    q, s = quantize_activation(x, bits)
     K = q.shape[-1]
     b = q.reshape(q.shape[:-1] + (K // ACTIVATION_BLOCK, ACTIVATION_BLOCK)).astype(np.float32)
     return (b * s[..., None]).reshape(q.shape).astype(np.float32)

@@ -1,13 +1,14 @@
 """The build report's quantization summary: weights per format and the bits per weight."""
 from __future__ import annotations
 
-from .plan import FLOAT, format_bits
+from .plan import FLOAT, INTEGER_ACTIVATIONS, format_bits
 
 
 def entry_layout(entry: dict) -> str:
-    """The kernel layout of a report["quantized"] entry: the pass records "int8" activations
-    only for weights it stored in the "vnni" layout (lookups and weight-only: "rows")."""
-    return "vnni" if entry.get("activations") == "int8" else "rows"
+    """The kernel layout of a report["quantized"] entry: the pass records "int8" / "int16"
+    activations only for weights it stored in the "vnni" layout (lookups and weight-only:
+    "rows")."""
+    return "vnni" if entry.get("activations") in INTEGER_ACTIVATIONS else "rows"
 
 
 def summarize(report: dict) -> dict:

@@ -6,10 +6,14 @@ Names (`--quantization`):
     q8                      our best 8-bit: q8_0
     q4                      our best 4-bit: q4_k (the automatic mix, when one is supplied as a
                             QuantPlan, puts sensitive weights at 8 bits)
-Activations (`--activations`): "float" (weight-only: weights dequantized inside the matmul) or
-"int8" (inputs quantized per token with one scale per 32 inputs, integer dot products with
-AVX-512 VNNI: schedules/cpu/int8_act_matmul.py). Left unset, q8 and q4 pick int8 where the
-target has int8 dot products (targets/: supports_int8_dot), exact format names float.
+Activations (`--activations`): "float" (weight-only: weights dequantized inside the matmul),
+"int8" (inputs quantized with one scale per 32 inputs, integer dot products with AVX-512 VNNI:
+schedules/cpu/int8_act_matmul.py) or "int16" (the same kernel with each input block held at
+16 bits, as two int8 halves: twice the dot products, an input error <= 2^-16 of its block's
+max |x|, ~250x under int8's; measured on a real model, the perplexity of float activations).
+Left unset, where the target has int8 dot products (targets/: supports_int8_dot) q8 and q4
+pick int8 and exact format names int16, so every format runs integer dot products there;
+elsewhere all are float.
 
 Kernel layouts (`pack`), packed from the canonical stored arrays of formats.WeightFormat.quantize:
     "rows"  weight-only (dequantize inlined into the GEMV/GEMM schedules): q8_0 q int8 (N, K);
@@ -17,7 +21,7 @@ Kernel layouts (`pack`), packed from the canonical stored arrays of formats.Weig
             q4_0 two's complement, q4_1/q4_k unsigned); float32 group scale (N, K/32) and, for
             q4_1/q4_k, float32 group offset (w = q * scale + offset). The group scale and offset
             of q4_k are its d * sc and -dmin * mn, exact in float32.
-    "vnni"  int8 activations: see schedules/cpu/int8_act_matmul.py. Group scales and offsets
+    "vnni"  int8 / int16 activations: see schedules/cpu/int8_act_matmul.py. Group scales and offsets
             stay float16 (q4_k: its 6-bit sc and mn packed at 12 bits per group, pack_kquant_codes,
             and float16 d, dmin per super-block), so this layout stores the formats' nominal bits
             (q4_k 4.5 for K a multiple of 256); "rows" stores q4_k at 6.0 (stored_bits).
@@ -32,11 +36,10 @@ import numpy as np
 
 from ..errors import UserError
 from .formats import FORMATS, GROUP, WeightFormat, get_format, kquant_group_params, super_groups
-from .plan import FLOAT, QuantPlan
+from .plan import ACTIVATIONS, FLOAT, INTEGER_ACTIVATIONS, QuantPlan
 
 ALIASES = {"q8": "q8_0", "q4": "q4_k"}
 SCHEMES = tuple(ALIASES) + tuple(FORMATS)
-ACTIVATIONS = ("float", "int8")
 TILE_N = 16
 
 
@@ -44,7 +47,7 @@ TILE_N = 16
 class QuantScheme:
     name: str  # the --quantization name
     group_size: int = GROUP
-    activations: str = "float"  # "float" (weight-only) | "int8" (integer dot products)
+    activations: str = "float"  # "float" (weight-only) | "int8" | "int16" (integer dot products)
     keep_float: tuple = ()  # patterns: decoder layer indices ("3") or globs on weight names
     plan: QuantPlan | None = field(default=None, compare=False)
 
@@ -63,8 +66,10 @@ class QuantScheme:
 
     @property
     def tag(self) -> str:
-        """Names kernels and builds: the default format, `_a8` with int8 activations."""
-        return self.format + ("_a8" if self.activations == "int8" else "")
+        """Names kernels and builds: the default format, `_a8` / `_a16` with int8 / int16
+        activations."""
+        bits = INTEGER_ACTIVATIONS.get(self.activations)
+        return self.format + (f"_a{bits}" if bits else "")
 
     def applies_to(self, K: int, N: int | None = None) -> bool:
         """Whether a (N, K) weight can be stored in the default format (else it stays float)."""
@@ -91,8 +96,8 @@ def parse_scheme(quantization: str | None, group_size: int = 32, activations: st
                  keep_float=None, int8_dot: bool = False, plan: QuantPlan | None = None
                  ) -> QuantScheme | None:
     """The build's QuantScheme, or None for a float build; bad combinations are UserErrors.
-    `int8_dot`: the target has int8 dot products (chooses the activations of q8 / q4 when
-    `activations` is unset). `plan`: a QuantPlan (calibration, automatic mix) to use instead
+    `int8_dot`: the target has int8 dot products (chooses the activations when `activations`
+    is unset: int8 for q8 / q4, int16 for exact format names; float without). `plan`: a QuantPlan (calibration, automatic mix) to use instead
     of the plain one the name makes."""
     if activations is not None and activations not in ACTIVATIONS:
         raise UserError(f"unknown --activations {activations!r}: choose one of {', '.join(ACTIVATIONS)}")
@@ -106,7 +111,7 @@ def parse_scheme(quantization: str | None, group_size: int = 32, activations: st
         raise UserError(f"--group-size must be {GROUP} (every format quantizes groups of {GROUP}), "
                         f"got {group_size!r}")
     if activations is None:
-        activations = "int8" if (int8_dot and quantization in ALIASES) else "float"
+        activations = ("int8" if quantization in ALIASES else "int16") if int8_dot else "float"
     if isinstance(keep_float, str):
         keep_float = [p.strip() for p in keep_float.split(",") if p.strip()]
     if plan is not None:
@@ -193,7 +198,7 @@ def vnni_applies(N: int, K: int) -> bool:
 
 def layout_for(activations: str, N: int, K: int) -> str:
     """The kernel layout a build stores an (N, K) weight in (the QuantizeLinear pass's choice)."""
-    return "vnni" if activations == "int8" and vnni_applies(N, K) else "rows"
+    return "vnni" if activations in INTEGER_ACTIVATIONS and vnni_applies(N, K) else "rows"
 
 
 def stored_bits(fmt: str, N: int, K: int, layout: str) -> float:

@@ -1,11 +1,13 @@
 """QuantPlan simulation in transformers: each linear computes with its plan format's round trip.
 
 `SimulatedPlan` quantizes each weight as the build stores it (formats.fake_quantize, in the
-format the build gives its merged linear, with the plan's importance) and, for int8
+format the build gives its merged linear, with the plan's importance) and, for int8 (int16)
 activations, rounds each linear's input per 32-block (formats.py). The helpers name the
 linears the build quantizes by their checkpoint weight names.
 """
 from __future__ import annotations
+
+from .plan import INTEGER_ACTIVATIONS
 
 _MERGED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -50,20 +52,22 @@ def plan_linears(model) -> dict:
     return out
 
 
-def round_input_blocks(_mod, args):
-    """Forward pre-hook: the int8 per-32-block activation round trip of formats.py in torch."""
+def round_input_blocks(_mod, args, bits: int = 8):
+    """Forward pre-hook: the 8 (or 16) bit per-32-block activation round trip of formats.py in
+    torch."""
     import torch
 
-    from .formats import ACTIVATION_BLOCK
+    from .formats import ACTIVATION_BLOCK, ACTIVATION_QMAX
 
+    Q = float(ACTIVATION_QMAX[bits])
     x = args[0]
     K = x.shape[-1]
     b = x.float().reshape(*x.shape[:-1], K // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
     amax = b.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, torch.ones_like(amax)),
+    inv = torch.where(amax > 0, Q / torch.where(amax > 0, amax, torch.ones_like(amax)),
                       torch.zeros_like(amax))
-    q = torch.clamp(torch.round(b * inv), -127, 127)
-    return ((q * (amax / 127.0)).reshape(x.shape).to(x.dtype),) + tuple(args[1:])
+    q = torch.clamp(torch.round(b * inv), -Q, Q)
+    return ((q * (amax / Q)).reshape(x.shape).to(x.dtype),) + tuple(args[1:])
 
 
 class WeightSwap:
@@ -107,6 +111,8 @@ class SimulatedPlan(WeightSwap):
             self.saved.append((mod, w.clone()))
             wq = fake_quantize(w.float().numpy(), fmt, self.plan.importance_for(names))
             mod.weight.data = torch.from_numpy(wq).to(w.dtype)
-            if self.plan.activations == "int8":
-                self.hooks.append(mod.register_forward_pre_hook(round_input_blocks))
+            if self.plan.activations in INTEGER_ACTIVATIONS:
+                bits = INTEGER_ACTIVATIONS[self.plan.activations]
+                self.hooks.append(mod.register_forward_pre_hook(
+                    lambda m, a, bits=bits: round_input_blocks(m, a, bits)))
         return self

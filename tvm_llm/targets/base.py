@@ -59,13 +59,14 @@ class TargetSpec:
 
         return gpu_variant_kernels(attn, dtype)
 
-    def quantized_matmul_kernel(self, fmt: str, K: int, N: int, out_dtype: str):
+    def quantized_matmul_kernel(self, fmt: str, K: int, N: int, out_dtype: str, act_bits: int = 8):
         """The hand-written PrimFunc y = x @ W^T of a weight stored in format `fmt` with int8
-        activations (the "vnni" layout), or an error where the target has none."""
+        (act_bits 8) or int16 (16) activations (the "vnni" layout), or an error where the
+        target has none."""
         from ..errors import UserError
 
         raise UserError(f"target {self.name} has no int8-activation matmul kernels: "
-                        "build without --activations int8")
+                        "build with --activations float")
 
     def rule_grid(self, mod, only: str | None = None) -> list:
         """[(label, Schedule)]: our matmul rules' schedules of the static kernel `mod` at each

@@ -83,7 +83,7 @@ def llvm_hw_key(target) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _int8_act_template(fmt: str, K: int, out_dtype: str):
+def _int8_act_template(fmt: str, K: int, out_dtype: str, act_bits: int):
     """The int8-activation kernel of one (format, K) with its N symbolic, made once per process:
     it is written in TVMScript, and parsing it took ~1-3 s per kernel (most of a q4 build's
     passes), while a model has only a few distinct K. PrimFuncs are immutable: sharing is safe."""
@@ -91,17 +91,17 @@ def _int8_act_template(fmt: str, K: int, out_dtype: str):
 
     from ..quantization.formats import get_format
 
-    return int8_act_matmul_func(get_format(fmt), K, None, out_dtype)
+    return int8_act_matmul_func(get_format(fmt), K, None, out_dtype, act_bits)
 
 
 @functools.lru_cache(maxsize=None)
-def _int8_act_kernel(fmt: str, K: int, N: int, out_dtype: str):
+def _int8_act_kernel(fmt: str, K: int, N: int, out_dtype: str, act_bits: int):
     """The template specialized to N (milliseconds)."""
     from schedules.cpu.int8_act_matmul import specialize_n
 
     from ..quantization.formats import get_format
 
-    return specialize_n(_int8_act_template(fmt, K, out_dtype), get_format(fmt), K, N)
+    return specialize_n(_int8_act_template(fmt, K, out_dtype, act_bits), get_format(fmt), K, N)
 
 
 @register_target("llvm")
@@ -145,9 +145,10 @@ class LLVMTarget(TargetSpec):
         t = self.tvm_target()
         return target_arch(t) == "x86_64" and has_feature("avx512vnni", t)
 
-    def quantized_matmul_kernel(self, fmt: str, K: int, N: int, out_dtype: str):
-        """The int8-activation kernel (schedules/cpu/int8_act_matmul.py), one per shape."""
-        return _int8_act_kernel(fmt, K, N, out_dtype)
+    def quantized_matmul_kernel(self, fmt: str, K: int, N: int, out_dtype: str, act_bits: int = 8):
+        """The int8-activation kernel (schedules/cpu/int8_act_matmul.py), one per shape and
+        activation width (8, or 16 as two int8 halves)."""
+        return _int8_act_kernel(fmt, K, N, out_dtype, act_bits)
 
     def cache_kernels(self, kv_mod, attn, dtype: str, page_size: int) -> dict:
         """Our CPU attention kernels for any page size (TVM's are scalar and serial), see

@@ -95,6 +95,8 @@ def test_invalid_target(tmp_path, checkpoint):
     (("--quantization", "q4", "--group-size", "24"), "--group-size must be 32"),
     (("--quantization", "q4", "--activations", "int8", "--arch", "x86-64-v3"),
      "needs int8 dot-product instructions"),
+    (("--quantization", "q4_0", "--activations", "int16", "--arch", "x86-64-v3"),
+     "--activations int16 needs int8 dot-product instructions"),
     (("--keep-float", "0",), "need --quantization"),
 ])
 def test_bad_quantization_options(tmp_path, checkpoint, extra, expect):

@@ -160,7 +160,7 @@ def test_parse_scheme_names_defaults_and_refusals():
     assert parse_scheme("q4_0", int8_dot=True).activations == "int16"  # exact names: float's accuracy
     assert parse_scheme("q4_0", int8_dot=True).tag == "q4_0_a16"
     assert parse_scheme("q4_0", activations="float", int8_dot=True).activations == "float"
-    assert parse_scheme("q4").activations == "float"  # no int8 dot products
+    assert parse_scheme("q4").activations == parse_scheme("q4_0").activations == "float"  # no int8 dot products
     assert parse_scheme("q4_1", activations="int8").tag == "q4_1_a8"
     for kwargs, text in [(dict(quantization="q3"), "unknown --quantization"),
                          (dict(quantization="q4", group_size=64), "must be 32"),

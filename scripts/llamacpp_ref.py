@@ -122,7 +122,9 @@ def convert_script() -> str:
     if not sdists:
         spec = f"llama-cpp-python=={version}" if version else "llama-cpp-python"
         _log(f"fetching the {spec} sdist for convert_hf_to_gguf.py")
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        # the sdist only: with --no-binary :all: pip also took the build backend's own build
+        # dependencies as sources (it compiled cmake to read the package's metadata)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
                         "-d", SRC_DIR, spec], check=True, stdout=subprocess.DEVNULL)
         sdists = sorted(glob.glob(os.path.join(SRC_DIR, pattern + ".tar.gz")))
     for sdist in reversed(sdists):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from tvm_llm.quantization.formats import fake_quantize, fake_quantize_activation
+from tvm_llm.quantization.plan import INTEGER_ACTIVATIONS
 from tvm_llm.quantization.simulation import WeightSwap
 
 
@@ -30,7 +31,7 @@ class Simulated(WeightSwap):
                     self.saved.append((mod, mod.weight.data))
                     w = mod.weight.detach().float().numpy()
                     mod.weight.data = torch.from_numpy(fake_quantize(w, entry["format"]))
-                bits = {"int8": 8, "int16": 16}.get(entry["activations"])
+                bits = INTEGER_ACTIVATIONS.get(entry["activations"])
                 if bits and isinstance(mod, torch.nn.Linear):
                     self.hooks.append(mod.register_forward_pre_hook(
                         lambda _m, a, bits=bits: (torch.from_numpy(fake_quantize_activation(a[0].numpy(), bits)),)

@@ -108,6 +108,7 @@ class BuildConfig:
     def _resolved(self) -> "BuildConfig":
         from .memory import kv_budget, planner
         from .quantization import parse_scheme
+        from .quantization.plan import INTEGER_ACTIVATIONS
         from .targets import get_target
 
         spec = get_target(self.target, arch=self.arch)
@@ -127,7 +128,7 @@ class BuildConfig:
         scheme = parse_scheme(self.quantization, self.group_size, self.activations,
                               self.keep_float, int8_dot=spec.supports_int8_dot(),
                               plan=self.quant_plan)
-        if scheme is not None and scheme.activations in ("int8", "int16") and not spec.supports_int8_dot():
+        if scheme is not None and scheme.activations in INTEGER_ACTIVATIONS and not spec.supports_int8_dot():
             raise UserError(f"--activations {scheme.activations} needs int8 dot-product instructions; "
                             f"target {spec.describe()} has none (use weight-only --quantization)")
         if scheme is None and self.calibrating:

@@ -141,11 +141,12 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     symbolic (bound by the weight buffer's first dimension): one parse serves every N of this
     K, each shape then being `specialize_n`'s (TVMScript parsing took ~1 s per kernel).
     act_bits 16: 16-bit activations as two int8 halves (see "16-bit activations" above)."""
-    if act_bits not in (8, 16):
+    from tvm_llm.quantization.formats import ACTIVATION_QMAX, super_groups
+
+    if act_bits not in ACTIVATION_QMAX:
         raise ValueError(f"int8-activation matmul takes 8 or 16-bit activations, not {act_bits}")
     if (N is not None and N % TILE_N) or K % GROUP:
         raise ValueError(f"int8-activation matmul needs N % 16 == 0 and K % 32 == 0 (N={N}, K={K})")
-    from tvm_llm.quantization.formats import super_groups
 
     NT = tvm.tirx.Var("n_tiles", "int32") if N is None else N // TILE_N
     N = NT * TILE_N
@@ -162,7 +163,7 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     xo_dtype = "int32" if kind == "sym" else "float32"
     pf_groups = PREFETCH_BYTES // (C * 64)
     wide = act_bits == 16
-    QMAX = 127 * 256 if wide else 127  # |q| bound of an activation block (q = hi * 256 + lo)
+    QMAX = ACTIVATION_QMAX[act_bits]  # |q| bound of an activation block (16-bit: q = hi * 256 + lo)
 
     @T.macro
     def prefetch(wp, nt, g):
@@ -339,8 +340,7 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     @T.macro
     def kernel(x, y, wp, p0, p1, p2, p3, A, B):
         xq_hi = T.alloc_buffer((A * B, K), "int8")
-        xq_lo = T.alloc_buffer((A * B, K if wide else 1), "int8")
-        xq = (xq_hi, xq_lo)
+        xq = (xq_hi, T.alloc_buffer((A * B, K), "int8")) if wide else (xq_hi, xq_hi)  # 8-bit: no lo half
         xs = T.alloc_buffer((A * B, NG), "float32")
         xo = T.alloc_buffer((A * B, NG), xo_dtype)  # sym: -offset * sum(q); else xs * sum(q)
         # 1. int8 activations, one scale per block of 32 (rows in parallel once there are many)

@@ -97,8 +97,8 @@ def parse_scheme(quantization: str | None, group_size: int = 32, activations: st
                  ) -> QuantScheme | None:
     """The build's QuantScheme, or None for a float build; bad combinations are UserErrors.
     `int8_dot`: the target has int8 dot products (chooses the activations when `activations`
-    is unset: int8 for q8 / q4, int16 for exact format names; float without). `plan`: a QuantPlan (calibration, automatic mix) to use instead
-    of the plain one the name makes."""
+    is unset: int8 for q8 / q4, int16 for exact format names; float without). `plan`: a
+    QuantPlan (calibration, automatic mix) to use instead of the plain one the name makes."""
     if activations is not None and activations not in ACTIVATIONS:
         raise UserError(f"unknown --activations {activations!r}: choose one of {', '.join(ACTIVATIONS)}")
     if quantization in (None, "", "none"):

@@ -111,8 +111,8 @@ class SimulatedPlan(WeightSwap):
             self.saved.append((mod, w.clone()))
             wq = fake_quantize(w.float().numpy(), fmt, self.plan.importance_for(names))
             mod.weight.data = torch.from_numpy(wq).to(w.dtype)
-            if self.plan.activations in INTEGER_ACTIVATIONS:
-                bits = INTEGER_ACTIVATIONS[self.plan.activations]
+            bits = INTEGER_ACTIVATIONS.get(self.plan.activations)
+            if bits:
                 self.hooks.append(mod.register_forward_pre_hook(
                     lambda m, a, bits=bits: round_input_blocks(m, a, bits)))
         return self

@@ -211,7 +211,7 @@ FLOAT_BUILDS = {"bf16": "bfloat16", "fp16": "float16"}
 def tvm_build_options(q: str) -> dict:
     """build() options of a --quantization entry: q8 / q4 (our defaults for this CPU), a format
     name (q8_0, q4_0, q4_1, q4_k: the build's default activations for this CPU, int16 where it
-    has VNNI), a format with `_a8` / `_a16` / `_float` (int8 / int16 / float activations), or
+    has integer dot products: x86 with AVX2 or AVX-512), a format with `_a8` / `_a16` / `_float` (int8 / int16 / float activations), or
     bf16 / fp16 (an unquantized build in that dtype: --dtype bfloat16 / float16)."""
     if q in FLOAT_BUILDS:
         return dict(dtype=FLOAT_BUILDS[q])
@@ -232,8 +232,8 @@ CLI_RECIPES = {"q4": {"bits_per_weight": 4.6, "calibrate": "none"}}
 
 def cli_budget(kw: dict) -> float:
     """The bits-per-weight budget `tvm-llm build` gives these options: 4.6 stored bits where the
-    kernels take int8 activations, more where a weight-only layout stores q4_k at 6 bits (e.g. an
-    AVX2 target without VNNI); see BuildConfig.from_args."""
+    kernels take int8 activations, more where a weight-only layout stores q4_k at 6 bits (e.g.
+    `--activations float`, or an aarch64 target); see BuildConfig.from_args."""
     from tvm_llm.config import BuildConfig
     from tvm_llm.quantization.calibration import layout_budget
 
@@ -324,8 +324,8 @@ def main(argv=None):
                    help="comma list of llama.cpp formats measured in the same run (F32, F16, BF16, Q8_0, "
                         "Q4_0, Q4_K_M); needs llama-cpp-python, see scripts/llamacpp_ref.py")
     p.add_argument("--arch", default=None,
-                   help="llvm --arch for our builds, e.g. x86-64-v3 (AVX2, no VNNI: q8/q4 then "
-                        "run weight-only kernels); default: the host CPU")
+                   help="llvm --arch for our builds, e.g. x86-64-v3 (AVX2, no VNNI: the integer "
+                        "kernels on vpmaddubsw); default: the host CPU")
     p.add_argument("--ablation", action="store_true",
                    help="also build with each optional pass phase switched off and compare")
     args = p.parse_args(argv)

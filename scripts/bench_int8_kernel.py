@@ -36,6 +36,7 @@ another order. Confirm a kernel change on whole builds with scripts/ab_decode.py
 
     python scripts/bench_int8_kernel.py --threads 2 [--shape llama-1b] [--formats q8_0,q4_k]
         [--rows 1,2,4,8,16] [--only qkv,down] [--cold] [--asm /tmp/k.s] [--against /tmp/old.py]
+        [--act-bits 8|16] [--arch x86-64-v3]
 """
 from __future__ import annotations
 
@@ -66,6 +67,11 @@ def _parse():
     p.add_argument("--asm", default="", help="write the kernels' assembly to this file")
     p.add_argument("--no-reference", action="store_true", help="skip the torch-sum stream reference")
     p.add_argument("--against", default="", help="another int8_act_matmul.py to time beside this one")
+    p.add_argument("--arch", default=None,
+                   help="compile for this CPU (an LLVM -mcpu, e.g. x86-64-v3: the AVX2 kernels; "
+                        "default: this machine)")
+    p.add_argument("--act-bits", type=int, choices=[8, 16], default=16,
+                   help="activation bits (16: the default of exact format names on VNNI CPUs)")
     return p.parse_args()
 
 
@@ -150,12 +156,20 @@ def compiled_from(path: str, fmt: str, K: int, N: int):
     spec = importlib.util.spec_from_file_location("int8_act_matmul_against", path)
     other = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(other)
+    from tvm_llm.targets import llvm as llvm_target
+
+    def forget():  # the target caches its kernels by shape: without this both would be one
+        llvm_target._int8_act_kernel.cache_clear()
+        llvm_target._int8_act_template.cache_clear()
+
     own = kernel_module.int8_act_matmul_func
     kernel_module.int8_act_matmul_func = other.int8_act_matmul_func  # the target imports it per call
+    forget()
     try:
         return compiled(fmt, K, N)
     finally:
         kernel_module.int8_act_matmul_func = own
+        forget()
 
 
 def compiled(fmt: str, K: int, N: int):
@@ -168,6 +182,7 @@ def compiled(fmt: str, K: int, N: int):
     from tvm_llm.passes.quantize_linear import emit_quantized_matmul
     from tvm_llm.quantization.kernels import stored_shapes
 
+    spec = get_target("llvm", arch=ARGS.arch)
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType([tvm.tirx.Var("m", "int64"), 1, K], "float32"))
     ws = [relax.Var(f"w{i}", relax.TensorType(shape, dtype))
@@ -175,9 +190,10 @@ def compiled(fmt: str, K: int, N: int):
     with bb.function("main", [x] + ws):
         with bb.dataflow():
             y = bb.emit_output(emit_quantized_matmul(bb, x, ws, fmt, "vnni", K, N, "float32",
-                                                     get_target("llvm")))
+                                                     spec, ARGS.act_bits))
         bb.emit_func_output(y)
-    target = workloads.host_target(ARGS.threads)
+    target = workloads.host_target(ARGS.threads) if ARGS.arch is None else \
+        tvm.target.Target(dict(spec.tvm_target().export(), **{"num-cores": ARGS.threads}))
     with target, tvm.transform.PassContext(opt_level=3):
         mod = cpu_schedule_pass()(workloads.lower_to_tir(bb.get()))
         ex = tvm.compile(mod, target=target)
@@ -227,7 +243,8 @@ def main():
     only = set(filter(None, ARGS.only.split(",")))
     if ARGS.asm:
         open(ARGS.asm, "w").close()
-    print(f"{ARGS.shape}, threads {ARGS.threads}, weights {'cold (rotated past LLC)' if ARGS.cold else 'hot'}, "
+    print(f"{ARGS.shape}, {ARGS.arch or 'this CPU'} ({get_target('llvm', arch=ARGS.arch).int8_dot_isa()} dot products), "
+          f"{ARGS.act_bits}-bit activations, threads {ARGS.threads}, weights {'cold (rotated past LLC)' if ARGS.cold else 'hot'}, "
           f"{'4 KiB' if ARGS.small_pages else 'huge'} pages, {ARGS.repeats} rounds, share by {ARGS.clock} time")
     print(f"{'shape':>8} {'fmt':>5} {'M':>3} {'wall us':>8} {'cpu us':>8} {'MB':>6} {'GB/s':>6} "
           f"{'share (min-max)':>16} {'cpu/row vs M=1':>13} {'GOP/cpu-s':>7} {'max rel err':>11}")
@@ -247,7 +264,7 @@ def main():
             t1 = [None] * len(fs)
             for m in rows:
                 x = rng.standard_normal((m, 1, K)).astype("float32")  # decode layout
-                want = fake_quantize_activation(x).reshape(m, K) @ wd.T
+                want = fake_quantize_activation(x, ARGS.act_bits).reshape(m, K) @ wd.T
                 xt = tvm.runtime.tensor(x, dev)
                 errs = [float(np.abs(f(xt, *sets[0]).numpy().reshape(m, N) - want).max() / np.abs(want).max())
                         for f in fs]

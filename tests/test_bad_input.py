@@ -93,9 +93,9 @@ def test_invalid_target(tmp_path, checkpoint):
     (("--quantization", "q3"), "unknown --quantization 'q3'"),
     (("--quantization", "q4", "--activations", "int4"), "unknown --activations 'int4'"),
     (("--quantization", "q4", "--group-size", "24"), "--group-size must be 32"),
-    (("--quantization", "q4", "--activations", "int8", "--arch", "x86-64-v3"),
+    (("--quantization", "q4", "--activations", "int8", "--arch", "x86-64-v2"),
      "needs int8 dot-product instructions"),
-    (("--quantization", "q4_0", "--activations", "int16", "--arch", "x86-64-v3"),
+    (("--quantization", "q4_0", "--activations", "int16", "--arch", "x86-64-v2"),
      "--activations int16 needs int8 dot-product instructions"),
     (("--keep-float", "0",), "need --quantization"),
 ])

@@ -204,15 +204,17 @@ def _add_quantization_args(p, default=None) -> None:
     p.add_argument("--quantization", default=default, metavar="q8|q4|q8_0|q4_0|q4_1|q4_k",
                    help="weight format of the linear layers (and 8-bit embedding table): q8 / q4 "
                         "our best 8 / 4-bit (q8_0 / q4_k, int8 activations where the CPU has "
-                        "VNNI), or exactly one format: q8_0, q4_0, q4_1, q4_k (README)")
+                        "integer dot products: x86 with AVX2 or AVX-512), or exactly one format: "
+                        "q8_0, q4_0, q4_1, q4_k (README)")
     p.add_argument("--group-size", type=_positive_int, default=32,
                    help="weights per scale along the input dimension (32; every format uses 32)")
     p.add_argument("--activations", default=None, metavar="float|int8|int16",
                    help="int8: quantize each linear's input with one scale per 32 inputs and "
-                        "multiply with integer dot products (AVX-512 VNNI); int16: the same at 16 "
-                        "bits per input (as two int8 halves: float activations' accuracy, twice "
-                        "the dot products); float: weight-only. Default on CPUs with VNNI: int8 "
-                        "for q8/q4, int16 for exact format names; else float")
+                        "multiply with integer dot products (AVX-512 VNNI; vpmaddubsw on AVX2 and "
+                        "AVX-512 without VNNI); int16: the same at 16 bits per input (as two int8 "
+                        "halves: float activations' accuracy, twice the dot products); float: "
+                        "weight-only. Default on x86 CPUs with AVX2 or AVX-512: int8 for q8/q4, "
+                        "int16 for exact format names; else float")
 
 
 def _add_model_dir_arg(p) -> None:

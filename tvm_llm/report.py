@@ -22,7 +22,9 @@ def _cpu_lines(target: dict) -> list:
         if amx.get("os_permission") not in (None, "granted"):
             why.append(f"OS permission {amx['os_permission']}")
         amx_text = "no (" + ", ".join(why or ["unknown"]) + ")"
-    return [f"cpu        bf16 matmul {feats.get('bf16_matmul')}; AMX {amx_text}"]
+    dot = feats.get("int8_dot")  # absent in builds from before stop 23
+    dot_text = "" if "int8_dot" not in feats else f"int8 dot products {dot or 'none (weight-only kernels)'}; "
+    return [f"cpu        bf16 matmul {feats.get('bf16_matmul')}; {dot_text}AMX {amx_text}"]
 
 
 def format_manifest(m: dict) -> str:

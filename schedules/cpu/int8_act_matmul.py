@@ -1,7 +1,9 @@
-"""Int8-activation matmul for AVX-512 VNNI, every weight format (q8_0, q4_0, q4_1, q4_k).
+"""Int8-activation matmul for x86 (AVX-512 VNNI, AVX-512BW, AVX2), every weight format (q8_0,
+q4_0, q4_1, q4_k).
 
 A hand-scheduled kernel (not a rule): its loop nest is the schedule. The QuantizeLinear pass
-emits it for `--activations int8` on CPUs with VNNI; TVM's rules skip it (marked scheduled).
+emits it for `--activations int8` / `int16` on x86 CPUs with AVX2 or AVX-512 (VNNI where
+present, see "Without VNNI"); TVM's rules skip it (marked scheduled).
 
 Activations: each row of x is quantized at run time with one scale per 32 consecutive input
 features (quantization/formats.py quantize_activation: s = max|x| / 127, q = round(x * 127 /
@@ -93,6 +95,20 @@ parallel iteration, and q8_0 with U = 1 or 2 groups per block statement instead 
 Distance of (d)'s prefetch (same method, 30 rounds x 8 steps, both load orders, 1 and 2
 threads): 16 KiB 0.98-1.02 of 8 KiB's step time, 4 KiB 1.01-1.06, 2 KiB 1.01-1.07; 8 KiB stays.
 
+Without VNNI (dot "avx512bw": AVX-512 CPUs before Cascade Lake; dot "avx2": Zen 2/3, Haswell to
+the client cores): the same layout, quantization and float terms; each group's dot products
+come from vpmaddubsw (unsigned weight byte x signed activation byte, adjacent pairs summed to
+int16) and vpmaddwd (int16 pairs summed to int32), exact like vpdpbusd. 4-bit weights keep every
+int16 lane of a group under 2^15 (8 tiles x 2 products x 15 x 128 = 30720), so a group is 8
+vpmaddubsw, 7 int16 adds and ONE vpmaddwd per 16 rows; 8-bit weights would saturate vpmaddubsw
+(255 x 127 x 2 > 2^15) and are split into nibbles (two such sums, the high one shifted left by 4
+after widening): twice the instructions per weight of 4-bit, as the bytes are twice. AVX2 runs a
+64-byte tile as two 32-byte halves (rows 0-7, 8-15). Decode of 8-bit weights there prefetches
+every line of the group, not the first: measured (scripts/bench_int8_kernel.py --arch x86-64-v3
+--cold, llama-110m gate_up / down, 2 threads, same machine) 24-26 / 23 GB/s against 8-10 / 8
+with the first line only (1 thread: 19.8 against 5.9); 4-bit stays at the first line (every
+line measured 0.7-0.9x).
+
 Rows of x (prefill, batched decode): each group's weight tiles are loaded (and for 4 bits
 unpacked) once into a local buffer of 8 tiles and used for every row (reads from L1 at worst),
 so a row costs only its dot products;
@@ -126,6 +142,9 @@ from tvm.script import tirx as T
 
 TILE_N = 16
 GROUP = 32
+# the group dot products' instructions: AVX-512 VNNI (vpdpbusd), AVX-512BW without VNNI and AVX2
+# (vpmaddubsw + vpmaddwd); the target picks (targets/llvm.py int8_dot_isa)
+DOT_ISAS = ("vnni", "avx512bw", "avx2")
 PREFETCH_BYTES = 8192  # weights prefetched this far ahead into L2 (measured best of 1-64 KiB)
 
 
@@ -135,16 +154,19 @@ def chunks_per_group(fmt) -> int:
 
 
 def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
-                         act_bits: int = 8) -> tvm.tirx.PrimFunc:
+                         act_bits: int = 8, dot: str = "vnni") -> tvm.tirx.PrimFunc:
     """The kernel for x: (A, B, K) float32 -> (A, B, N) and weights of format `fmt` (a
     quantization.formats.WeightFormat) in the layout above. N = None: N / 16 tiles left
     symbolic (bound by the weight buffer's first dimension): one parse serves every N of this
     K, each shape then being `specialize_n`'s (TVMScript parsing took ~1 s per kernel).
-    act_bits 16: 16-bit activations as two int8 halves (see "16-bit activations" above)."""
+    act_bits 16: 16-bit activations as two int8 halves (see "16-bit activations" above).
+    dot: the instructions of the group dot products, one of DOT_ISAS (see "Without VNNI")."""
     from tvm_llm.quantization.formats import ACTIVATION_QMAX, super_groups
 
     if act_bits not in ACTIVATION_QMAX:
         raise ValueError(f"int8-activation matmul takes 8 or 16-bit activations, not {act_bits}")
+    if dot not in DOT_ISAS:
+        raise ValueError(f"int8-activation matmul: unknown dot-product instructions {dot!r} (one of {DOT_ISAS})")
     if (N is not None and N % TILE_N) or K % GROUP:
         raise ValueError(f"int8-activation matmul needs N % 16 == 0 and K % 32 == 0 (N={N}, K={K})")
 
@@ -162,6 +184,8 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     f16 = "float16"
     xo_dtype = "int32" if kind == "sym" else "float32"
     pf_groups = PREFETCH_BYTES // (C * 64)
+    split8 = dot != "vnni" and not four  # 8-bit weights without VNNI: dot products per nibble
+    pf_lines = C if split8 else 1  # decode's prefetched lines per group
     wide = act_bits == 16
     QMAX = ACTIVATION_QMAX[act_bits]  # |q| bound of an activation block (16-bit: q = hi * 256 + lo)
 
@@ -178,18 +202,27 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     @T.macro
     def prefetch_first_line(wp, nt, g):
         """Decode: only the first 64-byte line of group g's weights PREFETCH_BYTES ahead into
-        L2; the hardware prefetchers fetch the group's other lines (see the module docstring)."""
-        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(wp[nt, g + pf_groups, 0, 0]),
-                                      T.int32(0), T.int32(2), T.int32(1)))
+        L2; the hardware prefetchers fetch the group's other lines (see the module docstring).
+        8-bit weights without VNNI: every line of the group (see "Without VNNI")."""
+        if pf_lines == 1:
+            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(wp[nt, g + pf_groups, 0, 0]),
+                                          T.int32(0), T.int32(2), T.int32(1)))
+        else:
+            prefetch(wp, nt, g)
 
     @T.macro
     def unpack(tiles, wp, nt, g):
-        """The group's 8 VNNI tiles of 16 rows (unsigned bytes)."""
+        """The group's 8 VNNI tiles of 16 rows (unsigned bytes); 8-bit weights without VNNI:
+        their 8 low-nibble tiles, then their 8 high-nibble tiles (split once for every row)."""
         if four:
             for c in T.unroll(C):
                 packed = wp[nt, g, c, T.Ramp(0, 1, 64)]
                 tiles[2 * c] = T.bitwise_and(packed, T.Broadcast(T.uint8(15), 64))
                 tiles[2 * c + 1] = T.shift_right(packed, T.Broadcast(T.uint8(4), 64))
+        elif split8:
+            for c in T.unroll(C):
+                tiles[c] = T.bitwise_and(wp[nt, g, c, T.Ramp(0, 1, 64)], T.Broadcast(T.uint8(15), 64))
+                tiles[C + c] = T.shift_right(wp[nt, g, c, T.Ramp(0, 1, 64)], T.Broadcast(T.uint8(4), 64))
         else:
             for c in T.unroll(C):
                 tiles[c] = wp[nt, g, c, T.Ramp(0, 1, 64)]
@@ -228,12 +261,46 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
         chain of 8 vpdpbusd from `init`), not a local accumulator buffer, so that LLVM keeps
         it in a register whatever the TIR pipeline does with local buffers (in the build's
         pipeline such a buffer became memory, and each vpdpbusd waited on a store-reload)."""
+        a4 = [T.reinterpret("int32", xq[r, T.Ramp(g * GROUP + t * 4, 1, 4)]) for t in range(8)]
+        if dot != "vnni":
+            return init + pairwise_dot(tiles, a4)
         acc = init
         for t in range(8):
-            a4 = T.reinterpret("int32", xq[r, T.Ramp(g * GROUP + t * 4, 1, 4)])
             acc = T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc, tiles[t],
-                                          T.reinterpret("int8x64", T.Broadcast(a4, TILE_N)))
+                                          T.reinterpret("int8x64", T.Broadcast(a4[t], TILE_N)))
         return acc
+
+    def pairwise_dot(tiles, a4):
+        """Without VNNI: the 8 tiles' dot products with the 8 broadcast activation words as
+        int32x16, from vpmaddubsw (unsigned x signed byte pairs summed to int16) and vpmaddwd
+        (int16 pairs summed to int32). Exact: 4-bit values (<= 15) keep every int16 sum of
+        the group under 2^15 (8 tiles x 2 products x 15 x 128 = 30720), so the 8 tiles' int16
+        pairs are added first and widened once; 8-bit weights come as 16 nibble tiles (low
+        nibbles, then high: unpack, group_sum), the high sum shifted left by 4 after widening.
+        AVX2 runs each 64-byte tile as two 32-byte halves (rows 0-7, rows 8-15)."""
+        def half_sum(ts, half):  # int32x8 of rows 8 * half ... 8 * half + 7 (AVX2)
+            acc = None
+            for t, tile in enumerate(ts):
+                w = T.Shuffle([tile], [T.int32(half * 32 + i) for i in range(32)])
+                p = T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", w,
+                                            T.reinterpret("int8x32", T.Broadcast(a4[t], 8)))
+                acc = p if acc is None else acc + p
+            return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", acc, T.Broadcast(T.int16(1), 16))
+
+        def widened(ts):  # int32x16: the 16 rows' dot products over the 8 tiles `ts`
+            if dot == "avx2":
+                return T.Shuffle([half_sum(ts, 0), half_sum(ts, 1)], [T.int32(i) for i in range(TILE_N)])
+            acc = None
+            for t, tile in enumerate(ts):
+                p = T.call_llvm_pure_intrin("int16x32", "llvm.x86.avx512.pmaddubs.w.512", tile,
+                                            T.reinterpret("int8x64", T.Broadcast(a4[t], TILE_N)))
+                acc = p if acc is None else acc + p
+            return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.pmaddw.d.512", acc, T.Broadcast(T.int16(1), 32))
+
+        tiles = [tiles[t] for t in range(16 if split8 else 8)]
+        if not split8:
+            return widened(tiles)
+        return widened(tiles[:8]) + T.shift_left(widened(tiles[8:]), T.Broadcast(T.int32(4), TILE_N))
 
     def dot_chain(init, tiles, xq, r, g):
         """8-bit: one chain over xq[0]. 16-bit: q = hi * 256 + lo, so the dot product is
@@ -261,6 +328,9 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
                           T.shift_right(packed, T.Broadcast(T.uint8(4), 64))]
         else:
             tiles = [wp[nt, g, c, T.Ramp(0, 1, 64)] for c in range(C)]
+            if split8:  # the low-nibble tiles, then the high-nibble tiles
+                tiles = [T.bitwise_and(t, T.Broadcast(T.uint8(15), 64)) for t in tiles] + \
+                    [T.shift_right(t, T.Broadcast(T.uint8(4), 64)) for t in tiles]
         init = T.Broadcast(xo[0, g], TILE_N) if kind == "sym" else T.Broadcast(T.int32(0), TILE_N)
         acc = T.Cast("float32x16", dot_chain(init, tiles, xq, 0, g))
         if kind == "kquant":
@@ -375,7 +445,7 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
                 for r in range(A * B):
                     facc[r, T.Ramp(0, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
                 for g in range(NG):
-                    tiles = T.alloc_buffer((8,), "uint8x64", scope="local")
+                    tiles = T.alloc_buffer((16 if split8 else 8,), "uint8x64", scope="local")
                     ab = T.alloc_buffer((2,), "float32x16", scope="local")
                     prefetch(wp, nt, g)
                     unpack(tiles, wp, nt, g)

@@ -30,14 +30,14 @@ MIX_KEEP = "*layers.1.self_attn*"
 def qbuild(tmp_path_factory, checkpoint):
     made = {}
 
-    def get(quantization, activations=None, keep_float=None, plan=None):
-        key = (quantization, activations, keep_float, plan is not None)
+    def get(quantization, activations=None, keep_float=None, plan=None, arch=None):
+        key = (quantization, activations, keep_float, plan is not None, arch)
         if key not in made:
             import tvm_llm
 
             out = str(tmp_path_factory.mktemp("q") / "out")
             tvm_llm.build(checkpoint("llama"), out, max_batch_size=4, prefill_chunk_size=64,
-                          quantization=quantization, activations=activations,
+                          quantization=quantization, activations=activations, arch=arch,
                           keep_float=keep_float, quant_plan=plan, log=lambda *a: None)
             made[key] = out
         return made[key]
@@ -101,10 +101,11 @@ def test_mixed_weight_only_build_equals_fake_quantized_transformers(qbuild, chec
     assert np.abs(step - ref[n]).max() < 1e-4
 
 
-def _integer_activation_build(qbuild, checkpoint, activations):
-    """The mixed plan built with int8 / int16 activations: (pre, step) logits of the build,
-    and of its simulation and of the weight-only simulation, each split the same way."""
-    out = qbuild("q4", activations=activations, keep_float=MIX_KEEP, plan=MIX)
+def _integer_activation_build(qbuild, checkpoint, activations, arch=None):
+    """The mixed plan built with int8 / int16 activations (for `arch`, default this CPU): (pre,
+    step) logits of the build, and of its simulation and of the weight-only simulation, each
+    split the same way."""
+    out = qbuild("q4", activations=activations, keep_float=MIX_KEEP, plan=MIX, arch=arch)
     q = _manifest(out)["quantization"]["quantized"]
     assert all(v["activations"] == ("lookup" if "embed" in k else activations) for k, v in q.items())
     pre, step, _ = _logits(out)
@@ -122,6 +123,27 @@ def test_mixed_int8_activation_build_matches_its_simulation(qbuild, checkpoint):
     assert _cosine(pre, sim_pre) > 0.99999 and _cosine(step, sim_step) > 0.99999
     # per-32-block activation scales cost little next to the weights' own rounding
     assert _cosine(pre, wo_pre) > 0.999
+
+
+def test_avx2_int8_activation_build_matches_its_simulation_and_the_host_build(qbuild, checkpoint):
+    """CPUs without VNNI (x86-64-v3: AVX2) run the same integer kernels on vpmaddubsw: the
+    default activations there are integer, and the build computes what the simulation and this
+    host's build (VNNI here) do: the integer sums are exact on both, the float terms the same."""
+    import tvm
+
+    from cpu_workloads import host_target
+
+    if not tvm.target.codegen.llvm_cpu_has_features("avx2", host_target(2)):
+        pytest.skip("x86-64-v3 code needs AVX2 on the host to run")
+    from tvm_llm.config import BuildConfig
+
+    assert BuildConfig.create(quantization="q4", arch="x86-64-v3").scheme.activations == "int8"
+    assert BuildConfig.create(quantization="q4_0", arch="x86-64-v3").scheme.activations == "int16"
+    (pre, step), (sim_pre, sim_step), _ = _integer_activation_build(qbuild, checkpoint, "int8", "x86-64-v3")
+    assert _cosine(pre, sim_pre) > 0.99999 and _cosine(step, sim_step) > 0.99999
+    host_pre, host_step, _ = _logits(qbuild("q4", activations="int8", keep_float=MIX_KEEP, plan=MIX))
+    scale = np.abs(host_pre).max()
+    assert np.abs(pre - host_pre).max() < 1e-4 * scale and np.abs(step - host_step).max() < 1e-4 * scale
 
 
 def test_mixed_int16_activation_build_equals_the_weight_only_simulation(qbuild, checkpoint):

@@ -31,10 +31,11 @@ def _has_vnni():
     return bool(tvm.target.codegen.llvm_cpu_has_features("avx512vnni", t))
 
 
-def _scheduled_matmul(K, N, fmt, layout, x_shape, target=None, kernels_out=None, act_bits=8):
+def _scheduled_matmul(K, N, fmt, layout, x_shape, target=None, kernels_out=None, act_bits=8, spec=None):
     """The pass's matmul kernel (x of x_shape, may be symbolic) scheduled by our CPU rules as
     an x86 build schedules it (weight-only prefill through the dequantize-panel GEMM);
-    `kernels_out`, a dict, receives the scheduled PrimFuncs by name."""
+    `kernels_out`, a dict, receives the scheduled PrimFuncs by name. `spec`: the target spec
+    whose int8-activation kernel is used (default: this host's)."""
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType(list(x_shape), "float32"))
     ws = [relax.Var(f"w{i}", relax.TensorType(shape, dtype))
@@ -42,7 +43,7 @@ def _scheduled_matmul(K, N, fmt, layout, x_shape, target=None, kernels_out=None,
     with bb.function("main", [x] + ws):
         with bb.dataflow():
             y = bb.emit(emit_quantized_matmul(bb, x, ws, fmt, layout, K, N, "float32",
-                                              get_target("llvm"), act_bits))
+                                              spec or get_target("llvm"), act_bits))
             y = bb.emit(relax.op.nn.silu(y))  # an epilogue FuseOps fuses into the matmul
             out = bb.emit_output(y)
         bb.emit_func_output(out)
@@ -91,13 +92,52 @@ def test_scheduled_quantized_matmul_matches_reference(fmt, layout, bits):
             assert np.abs(got - yf / (1 + np.exp(-yf))).max() < 2e-4 * np.abs(yf).max(), (mode, rows)
 
 
+# (LLVM CPU, its int8 dot-product instructions, format, activation bits): AVX2 every format at
+# both widths, AVX-512 without VNNI the 8-bit (nibble-split) and the k-quant format
+NO_VNNI_CASES = [("x86-64-v3", "avx2", f, b) for f in sorted(FORMATS) for b in (8, 16)] + \
+    [("skylake-avx512", "avx512bw", f, 8) for f in ("q8_0", "q4_k")]
+
+
+@pytest.mark.parametrize("cpu,isa,fmt,bits", NO_VNNI_CASES, ids=[f"{i}-{f}-{b}" for _, i, f, b in NO_VNNI_CASES])
+def test_int8_activation_kernels_without_vnni(cpu, isa, fmt, bits):
+    """CPUs without VNNI run the same integer kernels on vpmaddubsw + vpmaddwd: exact integer
+    sums, so the result is the numpy reference's, decode and batched rows (9: rows quantized in
+    parallel); the generated code holds no vpdpbusd."""
+    host = workloads.host_target(2)
+    needs = "avx2" if isa == "avx2" else "avx512bw"
+    if not tvm.target.codegen.llvm_cpu_has_features(needs, host):
+        pytest.skip(f"the {cpu} code needs {needs} on the host to run")
+    spec = get_target("llvm", arch=cpu)
+    assert spec.int8_dot_isa() == isa and spec.supports_int8_dot()
+    K, N = 480, 48
+    w = _weights(N, K)
+    f = FORMATS[fmt]
+    wd = f.dequantize(f.quantize(w))
+    dev = tvm.cpu()
+    stored = [tvm.runtime.tensor(a, dev) for a in stored_np(w, fmt, "vnni")]
+    target = tvm.target.Target(dict(spec.tvm_target().export(), **{"num-cores": 2}))
+    funcs = {}
+    vm = _scheduled_matmul(K, N, fmt, "vnni", (tvm.tirx.Var("n", "int64"), 1, K), target, funcs, bits, spec)
+    script = "".join(fn.script() for fn in funcs.values())
+    assert "vpdpbusd" not in script and script.count("pmadd") > 0
+    rng = np.random.default_rng(5)
+    for rows in (1, 3, 9):
+        x = rng.standard_normal((rows, 1, K)).astype("float32")
+        x[..., 100] = 40.0
+        got = vm["main"](tvm.runtime.tensor(x, dev), *stored).numpy()
+        y = fake_quantize_activation(x, bits).astype(np.float64) @ wd.T.astype(np.float64)
+        ref = y / (1 + np.exp(-y))
+        assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), rows
+
+
 @pytest.mark.parametrize("fmt", ["q4_k", "q8_0"])
 def test_weight_only_kernels_on_an_avx2_target(fmt):
-    """CPUs without AVX-512/VNNI run the weight-only kernels (x86-64-v3 code runs here too)."""
+    """Weight-only builds (--activations float) on CPUs without AVX-512 (x86-64-v3 code runs
+    here too); such CPUs' defaults are the integer kernels (int8_dot_isa "avx2")."""
     from tvm_llm.targets import get_target
 
     spec = get_target("llvm", arch="x86-64-v3")
-    assert spec.vector_isa() == "avx2" and not spec.supports_int8_dot()
+    assert spec.vector_isa() == "avx2" and spec.int8_dot_isa() == "avx2"
     assert spec.dequantize_panel_prefill()
     K, N = 256, 32
     w = _weights(N, K)

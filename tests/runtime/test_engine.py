@@ -188,3 +188,38 @@ def test_amx_build_asks_for_the_tile_state_and_refusal_is_a_user_error(monkeypat
                         "dtype": "bfloat16"})
     artifact.check_amx({"target": {"device_type": "cuda"}, "dtype": "bfloat16"})
     assert asked == [1]
+
+
+def test_a_build_for_a_cpu_with_more_instructions_is_refused_before_it_runs(built, tmp_path, monkeypatch):
+    """An x86 build whose target has instructions this CPU lacks (built on an AVX-512 machine,
+    run on an AVX2 one) would die by SIGILL at its first kernel: the engine refuses it first,
+    naming what is missing and the fix (--arch x86-64-v3). The flags are this CPU's as
+    /proc/cpuinfo would give them on an AVX2-only machine."""
+    import json
+    import os
+    import shutil
+
+    from tvm_llm import Engine
+    from tvm_llm.errors import UserError
+    from tvm_llm.runtime import cpu_probe
+
+    if os.uname().machine != "x86_64":
+        pytest.skip("x86 builds only")
+    out = str(tmp_path / "out")
+    shutil.copytree(built("llama"), out)
+    path = os.path.join(out, "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    target = json.loads(manifest["target"]["tvm_target"])
+    avx2_only = {"sse4_2", "avx", "avx2", "fma", "f16c"}
+    for mcpu, refused in (("skylake-avx512", True), ("x86-64-v3", False)):
+        manifest["target"]["tvm_target"] = json.dumps({**target, "mcpu": mcpu, "mattr": []})
+        with open(path, "w") as f:
+            json.dump(manifest, f)
+        monkeypatch.setattr(cpu_probe, "host_cpu_flags", lambda: avx2_only)
+        if refused:
+            with pytest.raises(UserError, match=r"lacks avx512f.*--arch.*x86-64-v3"):
+                Engine(out)
+        else:
+            Engine(out)  # x86-64-v3 needs nothing this CPU lacks: loads
+    assert cpu_probe.missing_cpu_features(json.dumps({**target, "mcpu": "x86-64-v3"}), avx2_only) == []

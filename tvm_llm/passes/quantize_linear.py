@@ -9,7 +9,8 @@ as MergeParallelLinear's concatenation), into
     int8 / int16 activations:
                       y = int8_act_matmul(x, *stored)       (the target's kernel: on CPU
                                                              schedules/cpu/int8_act_matmul.py,
-                                                             VNNI, per-32-block activation scales;
+                                                             x86 integer dot products, per-32-block
+                                                             activation scales;
                                                              int16 as two int8 halves)
 
 The quantize call reads only weights, so the folding phase lifts it into the build-time weight

@@ -9,7 +9,8 @@
 * `dequantize_matmul`: weight-only, y = x @ dequantize(W)^T. The dequantize is a producer
   block of the matmul inside one PrimFunc, so the schedules (schedules/cpu/gemv.py, gemm.py and
   TVM's GPU rules) inline it into the matmul's inner loop: only the packed bytes are read.
-* int8 activations: schedules/cpu/int8_act_matmul.py (a hand-written VNNI kernel).
+* int8 activations: schedules/cpu/int8_act_matmul.py (a hand-written x86 kernel: VNNI, or
+  vpmaddubsw without it).
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from .formats import FORMATS, get_format
 FLOAT = "float"
 EMBEDDING_FORMAT = "q8_0"  # an untied embedding table not listed in the plan
 ACTIVATIONS = ("float", "int8", "int16")
-# activations the integer (VNNI) kernels take, and their bits per value: int16 is held as two
+# activations the integer ("vnni" layout) kernels take, and their bits per value: int16 is held as two
 # int8 halves (schedules/cpu/int8_act_matmul.py), so it runs where int8 dot products do
 INTEGER_ACTIVATIONS = {"int8": 8, "int16": 16}
 FLOAT_BITS = 32

@@ -245,6 +245,23 @@ def check_library(path: str, manifest: dict) -> None:
         raise UserError(f"{path}: the TVM runtime cannot load it ({first}); {hint}") from None
 
 
+def check_cpu(manifest: dict) -> None:
+    """A CPU build runs only on CPUs with the instructions its target has (the build host's by
+    default): refuse, with the fix, what would otherwise die by SIGILL at the first kernel."""
+    from ..errors import UserError
+
+    target = manifest["target"]
+    if target.get("device_type", "cpu") != "cpu" or not target.get("tvm_target"):
+        return
+    from .cpu_probe import missing_cpu_features
+
+    missing = missing_cpu_features(target["tvm_target"])
+    if missing:
+        raise UserError(f"this build is for {target.get('arch') or 'its build machine'}'s CPU, and this CPU "
+                        f"lacks {', '.join(missing)}; rebuild it here, or with --arch naming an older CPU "
+                        "(x86-64-v3 runs on every x86 CPU with AVX2)")
+
+
 def check_amx(manifest: dict) -> None:
     """A bfloat16 build for an AMX CPU runs its prefill matmuls on AMX tiles: Linux must grant
     this process the tile state before the first tile instruction, which would otherwise end

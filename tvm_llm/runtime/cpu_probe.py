@@ -85,6 +85,25 @@ def host_feature_attrs(cpu: str, flags: set | None = None) -> list[str]:
     return out
 
 
+def missing_cpu_features(tvm_target_json: str, flags: set | None = None) -> list[str]:
+    """The /proc/cpuinfo flags whose instructions a build's x86 code may use (its LLVM target's
+    features among HOST_FLAG_FEATURES; AMX apart, see runtime/artifact.py check_amx) and this
+    CPU lacks: a build made for a newer CPU would die by SIGILL at its first such instruction.
+    [] where the build or the host is not x86_64 or /proc/cpuinfo is unreadable."""
+    import json
+
+    import tvm
+
+    flags = host_cpu_flags() if flags is None else flags
+    spec = json.loads(tvm_target_json)
+    if not flags or os.uname().machine != "x86_64" or not str(spec.get("mtriple", "")).startswith("x86_64"):
+        return []
+    target = tvm.target.Target({k: v for k, v in spec.items() if k not in ("tag", "keys")})
+    return [flag for flag, feature in HOST_FLAG_FEATURES.items()
+            if flag not in AMX_FLAGS and flag not in flags
+            and tvm.target.codegen.llvm_cpu_has_features(feature, target)]
+
+
 def host_target(num_cores: int | None = None):
     """The TVM target of this CPU: LLVM's name for it with its real vector features
     (host_feature_attrs), AMX left out where Linux refuses the tile state."""

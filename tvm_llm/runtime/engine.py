@@ -94,6 +94,7 @@ class Engine:
         from tvm.runtime.vm import VirtualMachine
 
         self.device = tvm.device(device)
+        artifact.check_cpu(self.manifest)
         artifact.check_amx(self.manifest)
         lib = load_module(os.path.join(out_dir, artifact.LIBRARY))
         self.vm = VirtualMachine(lib, self.device)

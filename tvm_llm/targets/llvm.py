@@ -83,7 +83,7 @@ def llvm_hw_key(target) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _int8_act_template(fmt: str, K: int, out_dtype: str, act_bits: int):
+def _int8_act_template(fmt: str, K: int, out_dtype: str, act_bits: int, dot: str):
     """The int8-activation kernel of one (format, K) with its N symbolic, made once per process:
     it is written in TVMScript, and parsing it took ~1-3 s per kernel (most of a q4 build's
     passes), while a model has only a few distinct K. PrimFuncs are immutable: sharing is safe."""
@@ -91,17 +91,17 @@ def _int8_act_template(fmt: str, K: int, out_dtype: str, act_bits: int):
 
     from ..quantization.formats import get_format
 
-    return int8_act_matmul_func(get_format(fmt), K, None, out_dtype, act_bits)
+    return int8_act_matmul_func(get_format(fmt), K, None, out_dtype, act_bits, dot)
 
 
 @functools.lru_cache(maxsize=None)
-def _int8_act_kernel(fmt: str, K: int, N: int, out_dtype: str, act_bits: int):
+def _int8_act_kernel(fmt: str, K: int, N: int, out_dtype: str, act_bits: int, dot: str):
     """The template specialized to N (milliseconds)."""
     from schedules.cpu.int8_act_matmul import specialize_n
 
     from ..quantization.formats import get_format
 
-    return specialize_n(_int8_act_template(fmt, K, out_dtype, act_bits), get_format(fmt), K, N)
+    return specialize_n(_int8_act_template(fmt, K, out_dtype, act_bits, dot), get_format(fmt), K, N)
 
 
 @register_target("llvm")
@@ -138,17 +138,36 @@ class LLVMTarget(TargetSpec):
         isa = vector_isa(self.tvm_target())
         return "sse" if isa == "generic" else isa
 
-    def supports_int8_dot(self) -> bool:
-        """AVX-512 VNNI (vpdpbusd), which the int8-activation kernels (schedules/cpu/int8_act_matmul.py) use."""
+    def int8_dot_isa(self) -> str | None:
+        """The instructions of the int8-activation kernels' dot products on this CPU
+        (schedules/cpu/int8_act_matmul.py DOT_ISAS): "vnni" (AVX-512 VNNI, vpdpbusd),
+        "avx512bw" (AVX-512 without VNNI) or "avx2" (vpmaddubsw + vpmaddwd: Zen 2/3, Haswell to
+        the client cores); None on other CPUs."""
         from schedules.cpu.common import has_feature, target_arch
 
         t = self.tvm_target()
-        return target_arch(t) == "x86_64" and has_feature("avx512vnni", t)
+        if target_arch(t) != "x86_64":
+            return None
+        if has_feature("avx512vnni", t):
+            return "vnni"
+        if has_feature("avx512bw", t):
+            return "avx512bw"
+        return "avx2" if has_feature("avx2", t) else None
+
+    def supports_int8_dot(self) -> bool:
+        """x86 CPUs with AVX2 or AVX-512 run the int8-activation kernels (int8_dot_isa)."""
+        return self.int8_dot_isa() is not None
 
     def quantized_matmul_kernel(self, fmt: str, K: int, N: int, out_dtype: str, act_bits: int = 8):
-        """The int8-activation kernel (schedules/cpu/int8_act_matmul.py), one per shape and
-        activation width (8, or 16 as two int8 halves)."""
-        return _int8_act_kernel(fmt, K, N, out_dtype, act_bits)
+        """The int8-activation kernel (schedules/cpu/int8_act_matmul.py), one per shape,
+        activation width (8, or 16 as two int8 halves) and dot-product instructions."""
+        from ..errors import UserError
+
+        dot = self.int8_dot_isa()
+        if dot is None:
+            raise UserError(f"this CPU target ({self.tvm_target()}) has no int8 dot-product instructions "
+                            "(x86 with AVX2 or AVX-512): build with --activations float")
+        return _int8_act_kernel(fmt, K, N, out_dtype, act_bits, dot)
 
     def cache_kernels(self, kv_mod, attn, dtype: str, page_size: int) -> dict:
         """Our CPU attention kernels for any page size (TVM's are scalar and serial), see
@@ -189,7 +208,8 @@ class LLVMTarget(TargetSpec):
         d = super().describe()
         t = self.tvm_target()
         if "aarch64" not in str(t.attrs.get("mtriple", "")):
-            d["cpu_features"] = {"bf16_matmul": self.bf16_matmul_kernel(), "amx": amx_status(t)}
+            d["cpu_features"] = {"bf16_matmul": self.bf16_matmul_kernel(), "amx": amx_status(t),
+                                 "int8_dot": self.int8_dot_isa()}
         return d
 
     def graph_passes(self) -> list:

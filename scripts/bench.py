@@ -211,8 +211,9 @@ FLOAT_BUILDS = {"bf16": "bfloat16", "fp16": "float16"}
 def tvm_build_options(q: str) -> dict:
     """build() options of a --quantization entry: q8 / q4 (our defaults for this CPU), a format
     name (q8_0, q4_0, q4_1, q4_k: the build's default activations for this CPU, int16 where it
-    has integer dot products: x86 with AVX2 or AVX-512), a format with `_a8` / `_a16` / `_float` (int8 / int16 / float activations), or
-    bf16 / fp16 (an unquantized build in that dtype: --dtype bfloat16 / float16)."""
+    has integer dot products: x86 with AVX2 or AVX-512), a format with `_a8` / `_a16` /
+    `_float` (int8 / int16 / float activations), or bf16 / fp16 (an unquantized build in that
+    dtype: --dtype bfloat16 / float16)."""
     if q in FLOAT_BUILDS:
         return dict(dtype=FLOAT_BUILDS[q])
     for suffix, activations in (("_a8", "int8"), ("_a16", "int16"), ("_float", "float")):

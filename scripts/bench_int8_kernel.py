@@ -243,8 +243,9 @@ def main():
     only = set(filter(None, ARGS.only.split(",")))
     if ARGS.asm:
         open(ARGS.asm, "w").close()
-    print(f"{ARGS.shape}, {ARGS.arch or 'this CPU'} ({get_target('llvm', arch=ARGS.arch).int8_dot_isa()} dot products), "
-          f"{ARGS.act_bits}-bit activations, threads {ARGS.threads}, weights {'cold (rotated past LLC)' if ARGS.cold else 'hot'}, "
+    isa = get_target("llvm", arch=ARGS.arch).int8_dot_isa()
+    print(f"{ARGS.shape}, {ARGS.arch or 'this CPU'} ({isa} dot products), {ARGS.act_bits}-bit activations,"
+          f" threads {ARGS.threads}, weights {'cold (rotated past LLC)' if ARGS.cold else 'hot'}, "
           f"{'4 KiB' if ARGS.small_pages else 'huge'} pages, {ARGS.repeats} rounds, share by {ARGS.clock} time")
     print(f"{'shape':>8} {'fmt':>5} {'M':>3} {'wall us':>8} {'cpu us':>8} {'MB':>6} {'GB/s':>6} "
           f"{'share (min-max)':>16} {'cpu/row vs M=1':>13} {'GOP/cpu-s':>7} {'max rel err':>11}")

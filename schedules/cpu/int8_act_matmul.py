@@ -166,7 +166,8 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     if act_bits not in ACTIVATION_QMAX:
         raise ValueError(f"int8-activation matmul takes 8 or 16-bit activations, not {act_bits}")
     if dot not in DOT_ISAS:
-        raise ValueError(f"int8-activation matmul: unknown dot-product instructions {dot!r} (one of {DOT_ISAS})")
+        raise ValueError(f"int8-activation matmul: unknown dot-product instructions {dot!r} "
+                         f"(one of {DOT_ISAS})")
     if (N is not None and N % TILE_N) or K % GROUP:
         raise ValueError(f"int8-activation matmul needs N % 16 == 0 and K % 32 == 0 (N={N}, K={K})")
 
@@ -285,7 +286,8 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
                 p = T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", w,
                                             T.reinterpret("int8x32", T.Broadcast(a4[t], 8)))
                 acc = p if acc is None else acc + p
-            return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", acc, T.Broadcast(T.int16(1), 16))
+            return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", acc,
+                                           T.Broadcast(T.int16(1), 16))
 
         def widened(ts):  # int32x16: the 16 rows' dot products over the 8 tiles `ts`
             if dot == "avx2":
@@ -295,7 +297,8 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
                 p = T.call_llvm_pure_intrin("int16x32", "llvm.x86.avx512.pmaddubs.w.512", tile,
                                             T.reinterpret("int8x64", T.Broadcast(a4[t], TILE_N)))
                 acc = p if acc is None else acc + p
-            return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.pmaddw.d.512", acc, T.Broadcast(T.int16(1), 32))
+            return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.pmaddw.d.512", acc,
+                                           T.Broadcast(T.int16(1), 32))
 
         tiles = [tiles[t] for t in range(16 if split8 else 8)]
         if not split8:

@@ -8,9 +8,10 @@ Names (`--quantization`):
                             QuantPlan, puts sensitive weights at 8 bits)
 Activations (`--activations`): "float" (weight-only: weights dequantized inside the matmul),
 "int8" (inputs quantized with one scale per 32 inputs, integer dot products: AVX-512 VNNI, or
-vpmaddubsw on AVX2 / AVX-512 without VNNI, schedules/cpu/int8_act_matmul.py) or "int16" (the same kernel with each input block held at
-16 bits, as two int8 halves: twice the dot products, an input error <= 2^-16 of its block's
-max |x|, ~250x under int8's; measured on a real model, the perplexity of float activations).
+vpmaddubsw on AVX2 / AVX-512 without VNNI, schedules/cpu/int8_act_matmul.py) or "int16" (the
+same kernel with each input block held at 16 bits, as two int8 halves: twice the dot products,
+an input error <= 2^-16 of its block's max |x|, ~250x under int8's; measured on a real model,
+the perplexity of float activations).
 Left unset, where the target has int8 dot products (targets/: supports_int8_dot) q8 and q4
 pick int8 and exact format names int16, so every format runs integer dot products there;
 elsewhere all are float.

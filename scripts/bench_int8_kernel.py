@@ -71,7 +71,8 @@ def _parse():
                    help="compile for this CPU (an LLVM -mcpu, e.g. x86-64-v3: the AVX2 kernels; "
                         "default: this machine)")
     p.add_argument("--act-bits", type=int, choices=[8, 16], default=16,
-                   help="activation bits (16: the default of exact format names on VNNI CPUs)")
+                   help="activation bits (16: the default of exact format names on x86 with AVX2 or "
+                        "AVX-512)")
     return p.parse_args()
 
 

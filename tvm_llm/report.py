@@ -23,7 +23,8 @@ def _cpu_lines(target: dict) -> list:
             why.append(f"OS permission {amx['os_permission']}")
         amx_text = "no (" + ", ".join(why or ["unknown"]) + ")"
     dot = feats.get("int8_dot")  # absent in builds from before stop 23
-    dot_text = "" if "int8_dot" not in feats else f"int8 dot products {dot or 'none (weight-only kernels)'}; "
+    dot_text = "" if "int8_dot" not in feats else \
+        f"int8 dot products {dot or 'none (weight-only kernels)'}; "
     return [f"cpu        bf16 matmul {feats.get('bf16_matmul')}; {dot_text}AMX {amx_text}"]
 
 

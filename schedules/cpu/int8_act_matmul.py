@@ -186,7 +186,6 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     xo_dtype = "int32" if kind == "sym" else "float32"
     pf_groups = PREFETCH_BYTES // (C * 64)
     split8 = dot != "vnni" and not four  # 8-bit weights without VNNI: dot products per nibble
-    pf_lines = C if split8 else 1  # decode's prefetched lines per group
     wide = act_bits == 16
     QMAX = ACTIVATION_QMAX[act_bits]  # |q| bound of an activation block (16-bit: q = hi * 256 + lo)
 
@@ -205,11 +204,17 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
         """Decode: only the first 64-byte line of group g's weights PREFETCH_BYTES ahead into
         L2; the hardware prefetchers fetch the group's other lines (see the module docstring).
         8-bit weights without VNNI: every line of the group (see "Without VNNI")."""
-        if pf_lines == 1:
+        if split8:
+            prefetch(wp, nt, g)
+        else:
             T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(wp[nt, g + pf_groups, 0, 0]),
                                           T.int32(0), T.int32(2), T.int32(1)))
-        else:
-            prefetch(wp, nt, g)
+
+    def low_nibbles(v):  # uint8x64: each byte's bits 0-3
+        return T.bitwise_and(v, T.Broadcast(T.uint8(15), 64))
+
+    def high_nibbles(v):  # uint8x64: each byte's bits 4-7
+        return T.shift_right(v, T.Broadcast(T.uint8(4), 64))
 
     @T.macro
     def unpack(tiles, wp, nt, g):
@@ -218,12 +223,12 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
         if four:
             for c in T.unroll(C):
                 packed = wp[nt, g, c, T.Ramp(0, 1, 64)]
-                tiles[2 * c] = T.bitwise_and(packed, T.Broadcast(T.uint8(15), 64))
-                tiles[2 * c + 1] = T.shift_right(packed, T.Broadcast(T.uint8(4), 64))
+                tiles[2 * c] = low_nibbles(packed)
+                tiles[2 * c + 1] = high_nibbles(packed)
         elif split8:
             for c in T.unroll(C):
-                tiles[c] = T.bitwise_and(wp[nt, g, c, T.Ramp(0, 1, 64)], T.Broadcast(T.uint8(15), 64))
-                tiles[C + c] = T.shift_right(wp[nt, g, c, T.Ramp(0, 1, 64)], T.Broadcast(T.uint8(4), 64))
+                tiles[c] = low_nibbles(wp[nt, g, c, T.Ramp(0, 1, 64)])
+                tiles[C + c] = high_nibbles(wp[nt, g, c, T.Ramp(0, 1, 64)])
         else:
             for c in T.unroll(C):
                 tiles[c] = wp[nt, g, c, T.Ramp(0, 1, 64)]
@@ -327,13 +332,11 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
             tiles = []
             for c in range(C):
                 packed = wp[nt, g, c, T.Ramp(0, 1, 64)]
-                tiles += [T.bitwise_and(packed, T.Broadcast(T.uint8(15), 64)),
-                          T.shift_right(packed, T.Broadcast(T.uint8(4), 64))]
+                tiles += [low_nibbles(packed), high_nibbles(packed)]
         else:
             tiles = [wp[nt, g, c, T.Ramp(0, 1, 64)] for c in range(C)]
             if split8:  # the low-nibble tiles, then the high-nibble tiles
-                tiles = [T.bitwise_and(t, T.Broadcast(T.uint8(15), 64)) for t in tiles] + \
-                    [T.shift_right(t, T.Broadcast(T.uint8(4), 64)) for t in tiles]
+                tiles = [low_nibbles(t) for t in tiles] + [high_nibbles(t) for t in tiles]
         init = T.Broadcast(xo[0, g], TILE_N) if kind == "sym" else T.Broadcast(T.int32(0), TILE_N)
         acc = T.Cast("float32x16", dot_chain(init, tiles, xq, 0, g))
         if kind == "kquant":

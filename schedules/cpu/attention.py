@@ -399,8 +399,8 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
     --cold --baseline HEAD`, llama-110m heads), 1.15-1.4x faster at 64-512 cached tokens and
     batch 1 and 4 (150 tokens: 34.5 -> 26.7 us); hot 0.93x (the prefetch instructions);
     prefetching 2 or 4 pages ahead measured the same as 1. Whole q4 builds
-    (`scripts/ab_decode.py`, 2 threads): llama-110m decode step 0.89x at 300 cached tokens,
-    0.94x at 150; llama-1b 0.97x at 128. Logits are bitwise those without it."""
+    (`scripts/ab_decode.py`, 2 threads, 20 and 16 rounds): llama-110m decode step 0.89x at
+    300 cached tokens, llama-1b 0.97x at 128. Logits are bitwise those without it."""
     G = H_qo // H_kv
     L = _lanes(D)
     TB = min(PAGE, TB_MAX)

@@ -41,6 +41,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .common import prefetch_l2
 from .fast_math import fast_exp_expr
 
 PAGE_SIZES = (8, 16, 32, 64, 128)  # page sizes the kernels are built for (tokens per page)
@@ -240,6 +241,12 @@ def _online_softmax_macros(G: int, D: int, L: int, dtype: str, table: LayerTable
     return start, block, finish
 
 
+def _kv_rows(page, kv: int, hk, H_kv: int, PAGE: int, D: int):
+    """Flat offset, in the cache's page pool (pages, 2, H_kv, PAGE, D), of the first key (kv 0)
+    or value (kv 1) row of KV head hk in `page`."""
+    return ((page * 2 + kv) * H_kv + hk) * PAGE * D
+
+
 def _over_pages_macro(block, PAGE: int, H_kv: int, D: int, scope: str = "local"):
     """Attention of one (query row, KV head) item over a sequence's pages, keys of logical index
     in [t_lo, t_hi) only. Logical key t lies at physical slot t + offset of the page list
@@ -256,9 +263,9 @@ def _over_pages_macro(block, PAGE: int, H_kv: int, D: int, scope: str = "local")
             lo = _held("int32", T.max(p * PAGE, t_lo + offset), scope)
             hi = _held("int32", T.min(p * PAGE + ntok, t_hi + offset), scope)
             if hi > lo:
-                k_base = _held("int32", (((page * 2 + 0) * H_kv + hk) * PAGE + lo - p * PAGE) * D,
+                k_base = _held("int32", _kv_rows(page, 0, hk, H_kv, PAGE, D) + (lo - p * PAGE) * D,
                                scope)
-                v_base = _held("int32", (((page * 2 + 1) * H_kv + hk) * PAGE + lo - p * PAGE) * D,
+                v_base = _held("int32", _kv_rows(page, 1, hk, H_kv, PAGE, D) + (lo - p * PAGE) * D,
                                scope)
                 block(q, o, m, den, s, part, mx, flat, flat, k_base, v_base, D, hi - lo, sm_scale)
 
@@ -396,7 +403,7 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
     short for the hardware prefetchers; so at each page every line of the next page's key and
     value rows of the head is prefetched into L2 (`prefetch_page`). Measured on the 2-core
     AMD EPYC (znver4): the kernel alone, cold (`scripts/bench_attention.py --kv-heads 4
-    --cold --baseline HEAD`, llama-110m heads), 1.15-1.4x faster at 64-512 cached tokens and
+    --cold --baseline 713f17e`, llama-110m heads), 1.15-1.4x faster at 64-512 cached tokens and
     batch 1 and 4 (150 tokens: 34.5 -> 26.7 us); hot 0.93x (the prefetch instructions);
     prefetching 2 or 4 pages ahead measured the same as 1. Whole q4 builds
     (`scripts/ab_decode.py`, 2 threads, 20 and 16 rounds): llama-110m decode step 0.89x at
@@ -497,25 +504,24 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
         fetched while this one is attended)."""
         for kv in T.unroll(2):
             for i in T.serial(PAGE * D // line):
-                T.evaluate(T.call_llvm_intrin(
-                    "void", "llvm.prefetch",
-                    T.address_of(flat[(((page * 2 + kv) * H_kv + hk) * PAGE) * D + i * line]),
-                    T.int32(0), T.int32(2), T.int32(1)))
+                T.evaluate(prefetch_l2(T.address_of(flat[_kv_rows(page, kv, hk, H_kv, PAGE, D)
+                                                         + i * line])))
 
     @T.macro
     def over_pages(q, o, m, den, sp, st, flat, page_values, begin, offset, t_lo, t_hi, hk,
                    sm_scale):
         """Keys [t_lo, t_hi) of a sequence (logical key t at physical slot t + offset)."""
         if t_hi > t_lo:
-            for p in T.serial((t_lo + offset) // PAGE, T.ceildiv(t_hi + offset, PAGE)):
+            end = _held("int32", T.ceildiv(t_hi + offset, PAGE))  # past the last page
+            for p in T.serial((t_lo + offset) // PAGE, end):
                 page = _held("int32", page_values[begin + p])
-                if p + 1 < T.ceildiv(t_hi + offset, PAGE):
+                if p + 1 < end:
                     prefetch_page(flat, page_values[begin + p + 1], hk)
                 lo = _held("int32", T.max(t_lo + offset - p * PAGE, 0))
                 hi = _held("int32", T.min(t_hi + offset - p * PAGE, PAGE))
                 for sub in range(SUBS):
-                    kb = _held("int32", (((page * 2 + 0) * H_kv + hk) * PAGE + sub * TB) * D)
-                    vb = _held("int32", (((page * 2 + 1) * H_kv + hk) * PAGE + sub * TB) * D)
+                    kb = _held("int32", _kv_rows(page, 0, hk, H_kv, PAGE, D) + sub * TB * D)
+                    vb = _held("int32", _kv_rows(page, 1, hk, H_kv, PAGE, D) + sub * TB * D)
                     if hi > sub * TB and lo < sub * TB + TB:
                         block(q, o, m, den, sp, st, flat, kb, vb, T.max(lo - sub * TB, 0),
                               T.min(hi - sub * TB, TB), sm_scale)

@@ -49,6 +49,14 @@ MAX_STACK_BYTES = 1024
 # --------------------------------------------------------------------------------------------
 # Target description
 # --------------------------------------------------------------------------------------------
+def prefetch_l2(address):
+    """A software prefetch of the 64-byte line at `address` into L2 (llvm.prefetch: read,
+    locality 2, data cache), as a TIR expression to T.evaluate: the kernels that stream
+    weights or KV pages ahead of their compute share this one spelling."""
+    return tirx.call_llvm_intrin("void", "llvm.prefetch", address, tirx.const(0, "int32"),
+                                 tirx.const(2, "int32"), tirx.const(1, "int32"))
+
+
 def is_llvm_cpu(target: Target | None) -> bool:
     return target is not None and target.kind.name == "llvm"
 

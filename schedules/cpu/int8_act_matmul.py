@@ -140,6 +140,8 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
+from schedules.cpu.common import prefetch_l2
+
 TILE_N = 16
 GROUP = 32
 # the group dot products' instructions: AVX-512 VNNI (vpdpbusd), AVX-512BW without VNNI and AVX2
@@ -196,8 +198,7 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
         enough that the out-of-order window holds only 2-3 groups of loads, too few to hide
         DRAM latency; measured, this made cold-weight batch-8 calls 1.2-1.7x faster."""
         for c in T.unroll(C):
-            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(wp[nt, g + pf_groups, c, 0]),
-                                          T.int32(0), T.int32(2), T.int32(1)))
+            T.evaluate(prefetch_l2(T.address_of(wp[nt, g + pf_groups, c, 0])))
 
     @T.macro
     def prefetch_first_line(wp, nt, g):
@@ -207,8 +208,7 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
         if split8:
             prefetch(wp, nt, g)
         else:
-            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(wp[nt, g + pf_groups, 0, 0]),
-                                          T.int32(0), T.int32(2), T.int32(1)))
+            T.evaluate(prefetch_l2(T.address_of(wp[nt, g + pf_groups, 0, 0])))
 
     def low_nibbles(v):  # uint8x64: each byte's bits 0-3
         return T.bitwise_and(v, T.Broadcast(T.uint8(15), 64))

@@ -20,7 +20,8 @@ Why the schedule is shaped so
       broadcasts ``Mr`` scalars of A, for ``Mr*Nv`` FMAs. The tile depends on the CPU model,
       not only the ISA (:mod:`.microarch`, which says which rows were measured and which are
       reasoned): znver4 4x3 when 48 divides N, else 7x2; Intel parts with two 512-bit FMA ports
-      7x2 first (half the panel traffic from L2 per FMA); AVX2 6x2; NEON 6x4. The tile is a "global"-scope buffer of < 1 KiB, which TVM puts
+      7x2 first (half the panel traffic from L2 per FMA); AVX2 4x3 when 24 divides N (znver3);
+      NEON 6x4. The tile is a "global"-scope buffer of < 1 KiB, which TVM puts
       on the stack and LLVM promotes to registers; a larger tile, or a "local" one, becomes a
       TVMBackendAllocWorkspace buffer whose stores stay in the k loop (measured 3x slower).
       That limit caps the tile at 15 accumulators; 12-14 already run at ~95% of the FMA peak.
@@ -37,10 +38,11 @@ Why the schedule is shaped so
       ``pragma_loop_partition_hint``, so TVM's LoopPartition emits a predicate-free main loop
       and a predicated tail. Decode (M = 1) runs only the tail: one row against each panel, a
       streaming GEMV over the packed weight (measured faster than a dedicated Mr=1 loop on
-      znver4). Where the CPU's row asks for it (``gemm_decode_streams``, Intel: 4) a decode
+      znver4). Where the CPU's row asks for it (``gemm_decode_streams``, Intel and AVX2: 4) a decode
       kernel instead walks that many neighbouring panels side by side, one row at a time:
       per k one broadcast of x and Nv FMAs on each panel, so several sequential weight
-      streams are in flight per core (1.5-1.6x the bandwidth of one on emeraldrapids). The
+      streams are in flight per core (1.5-1.6x the bandwidth of one on emeraldrapids,
+      1.4-2.0x on znver3). The
       packed layout is the same as prefill's: both kernels read one weight.
     * The epilogue is computed per tile right after its k loop (``reverse_compute_at``),
       vectorized, while the tile is still in registers; the tile buffer is remapped to

@@ -17,7 +17,8 @@ zen4               znver4, znver5                                              m
 intel-avx512-2fma  sapphirerapids, emeraldrapids, graniterapids, icelake-server,  measured
                    cascadelake, cooperlake, skylake-avx512; any CPU with AMX   (emeraldrapids)
                    (a VM may mask a Xeon's model: LLVM then names it rocketlake)
-avx2               haswell, broadwell, skylake, alderlake, znver1-3, ...       reasoned
+avx2               haswell, broadwell, skylake, alderlake, znver1-3, ...       measured
+                                                                               (znver3)
 neon               aarch64 (generic, neoverse-*, apple-*)                      reasoned
 =================  ==========================================================  ============
 
@@ -43,8 +44,14 @@ neon               aarch64 (generic, neoverse-*, apple-*)                      r
   prefill the 4x3 dot-product tile (4 x rows against 3 weight rows: 7 loads per 12 FMAs,
   as 3x4) keeps more rows of x per loaded weight vector, and the x rows, not the weight, are
   the L2 stream there. Decode is bandwidth-bound as everywhere: 1x8.
-* avx2 (16 ymm registers), reasoned: 6x2 packed (12 accumulators + 2 panel + 1 broadcast
-  register), 3x4 row-major prefill.
+* avx2 (16 ymm registers), measured on an AMD EPYC znver3 (Milan, a 2-core VM; two 256-bit
+  FMA pipes). Prefill, 1 thread, CPU time, llama-110m/1b linears at n=128 (scripts/
+  bench_kernels.py --threads 1 --cpu-time --gemm-tiles ...): 4x3 (12 accumulators + 3 panel
+  + 1 broadcast register) 90-97 GF/s, at or above numpy's sgemm peak of the run (95); 6x2
+  85-88, 4x2 86-92, 5x2 84-88, 8x1 64-83, 12x1 32-75, 3x4 54-65. Decode: one packed panel at
+  a time streamed 17-25 GB/s at 2 threads, 4 panels side by side (gemm_decode_streams) 31-49,
+  2 panels 30-44 (--decode-streams 1,2,4); a whole llama-110m float32 decode step took 0.59x
+  the time (scripts/ab_decode.py, 12 rounds). Row-major GEMV prefill stays reasoned: 3x4.
 * neon (32 q registers of 4 floats), reasoned: 6x4 / 8x3 packed.
 """
 from __future__ import annotations
@@ -88,9 +95,9 @@ ROWS = (
             gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),
             gemv_decode=_DECODE, measured=False),
     TileRow("avx2", ("*",), "avx2",
-            gemm=((6, 2), (4, 3), (12, 1)),
+            gemm=((4, 3), (6, 2), (4, 2), (5, 2), (12, 1)),
             gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),
-            gemv_decode=_DECODE, measured=False),
+            gemv_decode=_DECODE, measured=True, gemm_decode_streams=4),
     TileRow("neon", ("*",), "neon",
             gemm=((6, 4), (8, 3), (12, 2)),
             gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),

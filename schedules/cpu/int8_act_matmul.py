@@ -103,11 +103,16 @@ int16 lane of a group under 2^15 (8 tiles x 2 products x 15 x 128 = 30720), so a
 vpmaddubsw, 7 int16 adds and ONE vpmaddwd per 16 rows; 8-bit weights would saturate vpmaddubsw
 (255 x 127 x 2 > 2^15) and are split into nibbles (two such sums, the high one shifted left by 4
 after widening): twice the instructions per weight of 4-bit, as the bytes are twice. AVX2 runs a
-64-byte tile as two 32-byte halves (rows 0-7, 8-15). Decode of 8-bit weights there prefetches
-every line of the group, not the first: measured (scripts/bench_int8_kernel.py --arch x86-64-v3
---cold, llama-110m gate_up / down, 2 threads, same machine) 24-26 / 23 GB/s against 8-10 / 8
-with the first line only (1 thread: 19.8 against 5.9); 4-bit stays at the first line (every
-line measured 0.7-0.9x).
+64-byte tile as two 32-byte halves (rows 0-7, 8-15). Decode without VNNI prefetches every line
+of the group, not the first. 8-bit weights, measured on znver4 running the x86-64-v3 code
+(scripts/bench_int8_kernel.py --arch x86-64-v3 --cold, llama-110m gate_up / down, 2 threads):
+24-26 / 23 GB/s against 8-10 / 8 with the first line only (1 thread: 19.8 against 5.9). 4-bit
+weights there had measured 0.7-0.9x with every line, but on a real AVX2 CPU (AMD EPYC znver3,
+2 threads, --cold, --against the first-line kernel, interleaved) every line is 1.4-1.8x faster:
+q4_k (8-bit activations) qkv / gate_up / down 17.8 / 24.5 / 23.0 GB/s against 9.9 / 14.6 /
+13.1, q4_0 and q4_1 at 8 and 16-bit activations alike (18-26 against 10-17); whole q4 builds
+(scripts/ab_decode.py) step in 0.66x (llama-110m) and 0.48x (llama-1b) the time. So every
+line, for every format, wherever the dot products are not VNNI.
 
 Rows of x (prefill, batched decode): each group's weight tiles are loaded (and for 4 bits
 unpacked) once into a local buffer of 8 tiles and used for every row (reads from L1 at worst),
@@ -204,8 +209,8 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     def prefetch_first_line(wp, nt, g):
         """Decode: only the first 64-byte line of group g's weights PREFETCH_BYTES ahead into
         L2; the hardware prefetchers fetch the group's other lines (see the module docstring).
-        8-bit weights without VNNI: every line of the group (see "Without VNNI")."""
-        if split8:
+        Without VNNI: every line of the group (see "Without VNNI")."""
+        if dot != "vnni":
             prefetch(wp, nt, g)
         else:
             T.evaluate(prefetch_l2(T.address_of(wp[nt, g + pf_groups, 0, 0])))

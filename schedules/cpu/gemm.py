@@ -42,8 +42,8 @@ Why the schedule is shaped so
       kernel instead walks that many neighbouring panels side by side, one row at a time:
       per k one broadcast of x and Nv FMAs on each panel, so several sequential weight
       streams are in flight per core (1.5-1.6x the bandwidth of one on emeraldrapids,
-      1.4-2.0x on znver3). The
-      packed layout is the same as prefill's: both kernels read one weight.
+      1.4-2.0x on znver3). The packed layout is the same as prefill's: both kernels read one
+      weight.
     * The epilogue is computed per tile right after its k loop (``reverse_compute_at``),
       vectorized, while the tile is still in registers; the tile buffer is remapped to
       ``[m % Mr, n % PN]`` last (``assume_injective_transform``) so its size stays constant

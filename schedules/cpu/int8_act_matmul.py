@@ -206,10 +206,10 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
             T.evaluate(prefetch_l2(T.address_of(wp[nt, g + pf_groups, c, 0])))
 
     @T.macro
-    def prefetch_first_line(wp, nt, g):
-        """Decode: only the first 64-byte line of group g's weights PREFETCH_BYTES ahead into
-        L2; the hardware prefetchers fetch the group's other lines (see the module docstring).
-        Without VNNI: every line of the group (see "Without VNNI")."""
+    def decode_prefetch(wp, nt, g):
+        """Decode: group g's weights PREFETCH_BYTES ahead into L2. With VNNI only its first
+        64-byte line, the hardware prefetchers fetching the others (see the module docstring);
+        without VNNI every line of the group (see "Without VNNI")."""
         if dot != "vnni":
             prefetch(wp, nt, g)
         else:
@@ -439,7 +439,7 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
                     for j in T.unroll(U):
                         y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] \
                             + group_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u, j)
-                        prefetch_first_line(wp, nt, u * U + j)
+                        decode_prefetch(wp, nt, u * U + j)
         elif A * B == 1:
             for nt in T.parallel(NT):
                 fsum = T.alloc_buffer((1, TILE_N), "float32", scope="local")
@@ -448,7 +448,7 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
                     for j in T.unroll(U):
                         fsum[0, T.Ramp(0, 1, TILE_N)] = fsum[0, T.Ramp(0, 1, TILE_N)] \
                             + group_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u, j)
-                        prefetch_first_line(wp, nt, u * U + j)
+                        decode_prefetch(wp, nt, u * U + j)
                 y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = T.Cast(out_dtype + "x16", fsum[0, T.Ramp(0, 1, TILE_N)])
         else:
             for nt in T.parallel(NT):

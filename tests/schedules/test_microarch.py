@@ -9,7 +9,7 @@ import tvm
 from tvm import relax
 
 import cpu_workloads as workloads
-from schedules.cpu import cpu_schedule_pass, microarch
+from schedules.cpu import common, cpu_schedule_pass, microarch
 
 
 def _target(cpu):
@@ -98,7 +98,7 @@ def test_decode_walks_the_rows_panels_at_once(cpu, streams):
     table = microarch.tile_row(_target(cpu))
     assert table.gemm_decode_streams == streams
     nv = table.gemm[0][1]
-    lanes = 8 if table.isa == "avx2" else 16
+    lanes = common.vector_lanes(_target(cpu))  # floats per vector: 8 on AVX2, 16 on AVX-512
     asm = packed_gemm_asm(cpu, mode="decode")
     fmas, zmm, ymm, bcasts = fma_stats(asm)
     assert fmas > 0 and bcasts > 0 and (ymm if lanes == 8 else zmm) == fmas

@@ -320,6 +320,7 @@ class MatmulPattern:
     dtype: str  # the accumulator's (C's) dtype, which the kernel computes in
     epilogue: list = field(default_factory=list)  # remaining injective consumer block names
     input_dtype: str = ""  # A's and B's dtype: dtype, or bfloat16/float16 widened to float32
+    a_buffer: object = None  # A, as the block reads it when matched
 
     @property
     def decode_like(self) -> bool:
@@ -450,6 +451,7 @@ def match_matmul_block(sch: s_tir.Schedule, block) -> MatmulPattern | None:
         K=K,
         dtype=dtypes.pop(),
         input_dtype=input_dtype,
+        a_buffer=a_load.source,
     )
 
 

@@ -44,6 +44,12 @@ Why the schedule is shaped so
       streams are in flight per core (1.5-1.6x the bandwidth of one on emeraldrapids,
       1.4-2.0x on znver3). The packed layout is the same as prefill's: both kernels read one
       weight.
+    * bfloat16/float16 inputs without ``vdpbf16ps`` (AVX2, AVX-512 without BF16, aarch64):
+      decode widens each weight vector in registers (free beside the memory traffic); prefill
+      widens once (:func:`widens_once`): the activations into a float32 copy per call, each
+      packed panel into a float32 ``K x PN`` workspace at the top of its parallel iteration,
+      then the float32 micro-kernel (znver3, 2 threads: bf16 GEMM 106 -> 182 GFLOP/s at 128
+      rows, float32 171 in the same run).
     * The epilogue is computed per tile right after its k loop (``reverse_compute_at``),
       vectorized, while the tile is still in registers; the tile buffer is remapped to
       ``[m % Mr, n % PN]`` last (``assume_injective_transform``) so its size stays constant
@@ -157,9 +163,56 @@ def decode_streams(target: Target, pat: common.MatmulPattern, pn: int, wanted=No
     return max(1, s)
 
 
+# Rows from which a prefill kernel widens half-precision inputs once (widens_once) instead of
+# at every use; below it the copies cost more than the conversions they save
+WIDEN_ONCE_MIN_ROWS = 8
+
+
+def widens_once(sch: s_tir.Schedule, pat: common.MatmulPattern, pack: bool, dot: bool,
+                streams: int):
+    """The activations' buffer when a bfloat16/float16 matmul summed with float32 FMAs (no
+    vdpbf16ps) first widens its inputs into float32 copies, else None. The copies: the
+    activations once per call, each packed weight panel once per parallel iteration (a K x PN
+    workspace that stays in L2); the float32 micro-kernel then runs on them. Widening at every
+    use costs a vpmovzxwd + vpslld per weight vector and a load + shift + broadcast per
+    activation: on AVX2 (two FMA pipes beside two other vector pipes) more vector work than the
+    FMAs themselves, and bfloat16 prefill ran at ~0.6 of float32 (scripts/bench_bf16_gemm.py).
+    Prefill only (decode reads each weight once, and widening in registers is free beside the
+    memory traffic), and only where the activations are a plain input of the matmul."""
+    if not (pack and not dot and streams == 1 and pat.input_dtype in common.HALF_DTYPES):
+        return None
+    if pat.decode_like or (pat.m_static is not None and pat.m_static < WIDEN_ONCE_MIN_ROWS):
+        return None
+    again = common.match_matmul_block(sch, sch.get_sblock(pat.block_name))
+    return again.a_buffer if again is not None else None
+
+
+def _float32_copy(sch: s_tir.Schedule, main, buffer):
+    """A block copying `buffer` (a half-precision read of `main`) into a float32 buffer that
+    `main` reads instead."""
+    reads = [r.source for r in sch.get(main).reads]
+    index = next(i for i, b in enumerate(reads) if b.same_as(buffer))
+    copy = sch.cache_read(main, index, "global")
+    sch.unsafe_set_dtype(copy, 0, "float32")
+    return copy
+
+
+def _schedule_float32_copies(sch: s_tir.Schedule, a_copy, b_copy, no, lanes: int):
+    """The activations' copy before the GEMM, rows in parallel; each weight panel's copy at
+    the start of its parallel iteration `no` (a per-thread workspace); both vectorized."""
+    loops = sch.get_loops(a_copy)
+    rows = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
+    if len(loops) > 1:
+        sch.parallel(rows)
+    common.vectorize_innermost(sch, a_copy, lanes)
+    sch.compute_at(b_copy, no, preserve_unit_loops=True)
+    common.vectorize_innermost(sch, b_copy, lanes)
+
+
 def pack_weight(sch: s_tir.Schedule, main, pat: common.MatmulPattern, pn: int, dot: bool):
     """The packed weight, written by a layout-rewrite block that the build lifts out: every
-    kernel reading one weight (prefill, decode, AMX prefill) must pack it alike."""
+    kernel reading one weight (prefill, decode, AMX prefill) must pack it alike. Returns the
+    packed buffer."""
     rw = sch.cache_read(main, pat.b_index, "global")
     sch.annotate(rw, LAYOUT_REWRITE_ATTR, True)
     pad = None if pat.N % pn == 0 else 0.0
@@ -173,6 +226,7 @@ def pack_weight(sch: s_tir.Schedule, main, pat: common.MatmulPattern, pn: int, d
     rl = sch.get_loops(rw)
     if len(rl) >= 1:
         sch.parallel(rl[0])
+    return sch.get(rw).writes[0].source
 
 
 def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, target: Target,
@@ -189,11 +243,15 @@ def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, targe
     s = decode_streams(target, pat, pn, streams)
     if s > 1:  # decode: one row against s neighbouring panels (s weight streams in flight)
         mr, nv = 1, s * nv
+    widen = widens_once(sch, pat, pack, dot, s)  # the activations to widen, or None
 
     # 1. The weight: packed panels Bp[N/PN, K, PN] written by a layout-rewrite block; for
     #    vdpbf16ps Bp[N/PN, K/2, PN, 2] (the two k of a column side by side, one 32-bit lane).
     if pack:
-        pack_weight(sch, main, pat, pn, dot)
+        packed = pack_weight(sch, main, pat, pn, dot)
+    if widen is not None:  # float32 copies that the FMAs read: activations, each weight panel
+        a_f32 = _float32_copy(sch, main, widen)
+        b_f32 = _float32_copy(sch, main, packed)
 
     # 2. The accumulator tile: the epilogue's input, or a cache of the output.
     if pat.epilogue:
@@ -223,6 +281,8 @@ def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, targe
     if m_static is None or m_static % mr != 0:
         sch.annotate(mo, "pragma_loop_partition_hint", 1)
     sch.parallel(no)
+    if widen is not None:
+        _schedule_float32_copies(sch, a_f32, b_f32, no, lanes)
     if not dot:
         sch.vectorize(nl)
     sch.unroll(nvl)

@@ -255,3 +255,69 @@ def test_bfloat16_linear_equals_numpy(prepack_weights):
                                    None if extra is None else extra.astype(np.float64))
             np.testing.assert_allclose(out.astype(np.float64), ref, rtol=2e-2, atol=2e-2,
                                        err_msg=f"{name} M={M}")
+
+
+def _matmul_reads(func) -> dict:
+    """{block name: dtypes of the buffers it reads} for the matmul blocks of `func`."""
+    sch = tvm.s_tir.Schedule(func)
+    blocks = [sch.get(b) for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    return {b.name_hint: {str(r.source.dtype) for r in b.reads}
+            for b in blocks if "matmul" in b.name_hint}
+
+
+def _bf16_suite(specs):
+    from tvm_llm.passes.accumulate_half_matmul import AccumulateHalfMatmulInFloat32
+
+    mod = workloads.linear_suite([dict(name=n, K=k, N=nn, mode=m, epilogue=e, dtype="bfloat16")
+                                  for n, k, nn, m, e in specs],
+                                 graph_passes=[AccumulateHalfMatmulInFloat32()])
+    return relax.transform.AttachAttrLayoutFreeBuffers()(mod)
+
+
+def _update_reads(spec, mcpu: str) -> set:
+    """The dtypes the matmul's accumulating block reads, one bfloat16 linear on `mcpu`."""
+    with tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": mcpu,
+                            "num-cores": 2}):
+        (func,) = workloads.prim_funcs(cpu_schedule_pass()(_bf16_suite([spec]))).values()
+    return set().union(*(v for k, v in _matmul_reads(func).items() if "_update" in k))
+
+
+@pytest.mark.skipif(not tvm.target.codegen.llvm_cpu_has_features("avx2", host_target()),
+                    reason="host cannot run AVX2 code")
+def test_bfloat16_prefill_widens_once_on_avx2():
+    """Without vdpbf16ps (an AVX2 target), a bfloat16 prefill's FMAs read float32 copies (the
+    activations widened once per call, each packed weight panel once per parallel iteration)
+    while decode widens in registers; on an AVX512-BF16 CPU the prefill keeps its bfloat16
+    operands (vdpbf16ps). The weight stays stored as bfloat16. Numerics equal numpy on the
+    same bf16 inputs, including a padded panel (N = 100) and row counts around the tile."""
+    import ml_dtypes
+
+    bf16 = ml_dtypes.bfloat16
+    specs = [("p", 72, 96, "prefill", None), ("pp", 64, 100, "prefill", "bias"),
+             ("d", 72, 96, "decode", None)]
+    assert _update_reads(specs[0], "haswell") == {"float32"}
+    assert _update_reads(specs[1], "haswell") == {"float32"}
+    assert "bfloat16" in _update_reads(specs[2], "haswell")
+    assert "bfloat16" in _update_reads(specs[0], "sapphirerapids")
+    target = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "haswell",
+                                "num-cores": 2})
+    with target:
+        mod = cpu_schedule_pass()(_bf16_suite(specs))
+        mod = relax.transform.SplitLayoutRewritePreproc()(mod)
+        mod = relax.transform.LiftTransformParams()(mod)
+    vm = relax.VirtualMachine(tvm.compile(mod, target=target), tvm.cpu())
+    dev = tvm.cpu()
+    rng = np.random.default_rng(5)
+    for name, K, N, mode, epilogue in specs:
+        w = rng.standard_normal((N, K)).astype(bf16)
+        bias = rng.standard_normal((N,)).astype(bf16)
+        weights = [w] + ([bias] if epilogue == "bias" else [])
+        wp = vm[f"{name}_transform_params"]([tvm.runtime.tensor(a, dev) for a in weights])
+        assert str(wp[0].dtype) == "bfloat16"
+        for M in ((1, 2) if mode == "decode" else (1, 3, 4, 9, 130)):
+            x = rng.standard_normal((1, M, K) if mode == "prefill" else (M, 1, K)).astype(bf16)
+            out = vm[name](tvm.runtime.tensor(x, dev), *wp).numpy().astype(np.float64)
+            y = (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32).astype(bf16)
+            ref = reference_linear(y.astype(np.float64), np.eye(N), epilogue,
+                                   None if epilogue is None else bias.astype(np.float64))
+            np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2, err_msg=f"{name} M={M}")

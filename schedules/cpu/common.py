@@ -320,7 +320,7 @@ class MatmulPattern:
     dtype: str  # the accumulator's (C's) dtype, which the kernel computes in
     epilogue: list = field(default_factory=list)  # remaining injective consumer block names
     input_dtype: str = ""  # A's and B's dtype: dtype, or bfloat16/float16 widened to float32
-    a_buffer: object = None  # A, as the block reads it when matched
+    a_buffer: object = None  # A as the block reads it; None when a prologue computes it
 
     @property
     def decode_like(self) -> bool:
@@ -526,6 +526,8 @@ def prepare_matmul(func: tirx.PrimFunc, dtypes=("float32",), allow_computed_b: b
     if len(b_pos) != 1 and not allow_computed_b:
         return None  # the weight itself came from a fused producer (cast, dequantize, ...)
     pattern.b_index = b_pos[0] if len(b_pos) == 1 else -1
+    again = match_matmul_block(sch, sch.get_sblock(main_name))
+    pattern.a_buffer = again.a_buffer if again is not None else None
     rest = [b for b in root_blocks(sch)
             if block_name(sch, b) != main_name and block_name(sch, b) not in keep_producers]
     if len(rest) > 1:

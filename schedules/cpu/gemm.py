@@ -163,13 +163,13 @@ def decode_streams(target: Target, pat: common.MatmulPattern, pn: int, wanted=No
     return max(1, s)
 
 
-# Rows from which a prefill kernel widens half-precision inputs once (widens_once) instead of
-# at every use; below it the copies cost more than the conversions they save
+# A static row count below this keeps widening in registers (widens_once): at exactly 4 rows,
+# one full tile, the copies measured ~12% slower (znver3, one core, CPU time); a prefill's row
+# count is symbolic and always takes the copies
 WIDEN_ONCE_MIN_ROWS = 8
 
 
-def widens_once(sch: s_tir.Schedule, pat: common.MatmulPattern, pack: bool, dot: bool,
-                streams: int):
+def widens_once(pat: common.MatmulPattern, pack: bool, dot: bool, streams: int):
     """The activations' buffer when a bfloat16/float16 matmul summed with float32 FMAs (no
     vdpbf16ps) first widens its inputs into float32 copies, else None. The copies: the
     activations once per call, each packed weight panel once per parallel iteration (a K x PN
@@ -183,8 +183,7 @@ def widens_once(sch: s_tir.Schedule, pat: common.MatmulPattern, pack: bool, dot:
         return None
     if pat.decode_like or (pat.m_static is not None and pat.m_static < WIDEN_ONCE_MIN_ROWS):
         return None
-    again = common.match_matmul_block(sch, sch.get_sblock(pat.block_name))
-    return again.a_buffer if again is not None else None
+    return pat.a_buffer
 
 
 def _float32_copy(sch: s_tir.Schedule, main, buffer):
@@ -201,9 +200,8 @@ def _schedule_float32_copies(sch: s_tir.Schedule, a_copy, b_copy, no, lanes: int
     """The activations' copy before the GEMM, rows in parallel; each weight panel's copy at
     the start of its parallel iteration `no` (a per-thread workspace); both vectorized."""
     loops = sch.get_loops(a_copy)
-    rows = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
-    if len(loops) > 1:
-        sch.parallel(rows)
+    if len(loops) > 1:  # the rows (all loops but K's)
+        sch.parallel(sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0])
     common.vectorize_innermost(sch, a_copy, lanes)
     sch.compute_at(b_copy, no, preserve_unit_loops=True)
     common.vectorize_innermost(sch, b_copy, lanes)
@@ -243,7 +241,7 @@ def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, targe
     s = decode_streams(target, pat, pn, streams)
     if s > 1:  # decode: one row against s neighbouring panels (s weight streams in flight)
         mr, nv = 1, s * nv
-    widen = widens_once(sch, pat, pack, dot, s)  # the activations to widen, or None
+    widen = widens_once(pat, pack, dot, s)  # the activations to widen, or None
 
     # 1. The weight: packed panels Bp[N/PN, K, PN] written by a layout-rewrite block; for
     #    vdpbf16ps Bp[N/PN, K/2, PN, 2] (the two k of a column side by side, one 32-bit lane).

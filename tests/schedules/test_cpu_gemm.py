@@ -202,6 +202,26 @@ BF16_SPECS = [("bp_none", 72, 96, "prefill", None), ("bp_bias", 64, 100, "prefil
               ("bd_residual", 64, 96, "decode", "residual"), ("bd_silu", 72, 200, "decode", "silu")]
 
 
+def _assert_bf16_linear(out, x, w, epilogue, extra, msg: str):
+    """`out` of a bfloat16 linear equals numpy on the same bf16 inputs, summed in float64: the
+    kernel rounds the float32 sum to bf16, then the epilogue rounds again."""
+    y = (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32).astype(x.dtype)
+    ref = reference_linear(y.astype(np.float64), np.eye(w.shape[0]), epilogue,
+                           None if extra is None else extra.astype(np.float64))
+    np.testing.assert_allclose(out.astype(np.float64), ref, rtol=2e-2, atol=2e-2, err_msg=msg)
+
+
+def _bf16_suite(specs, layout_free: bool = True):
+    """The bfloat16 linears of `specs` (AccumulateHalfMatmulInFloat32: float32 sums), their
+    weights marked layout-free (packed at build time) unless `layout_free` is False."""
+    from tvm_llm.passes.accumulate_half_matmul import AccumulateHalfMatmulInFloat32
+
+    mod = workloads.linear_suite([dict(name=n, K=k, N=nn, mode=m, epilogue=e, dtype="bfloat16")
+                                  for n, k, nn, m, e in specs],
+                                 graph_passes=[AccumulateHalfMatmulInFloat32()])
+    return relax.transform.AttachAttrLayoutFreeBuffers()(mod) if layout_free else mod
+
+
 @pytest.mark.parametrize("prepack_weights", [True, False], ids=["packed", "row_major"])
 def test_bfloat16_linear_equals_numpy(prepack_weights):
     """A bfloat16 linear (AccumulateHalfMatmulInFloat32: float32 sum, one rounding) through the
@@ -209,14 +229,8 @@ def test_bfloat16_linear_equals_numpy(prepack_weights):
     bfloat16 weight) equals numpy on the same bf16-rounded inputs, summed in float64."""
     import ml_dtypes
 
-    from tvm_llm.passes.accumulate_half_matmul import AccumulateHalfMatmulInFloat32
-
     bf16 = ml_dtypes.bfloat16
-    mod = workloads.linear_suite([dict(name=n, K=k, N=nn, mode=m, epilogue=e, dtype="bfloat16")
-                                  for n, k, nn, m, e in BF16_SPECS],
-                                 graph_passes=[AccumulateHalfMatmulInFloat32()])
-    if prepack_weights:
-        mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
+    mod = _bf16_suite(BF16_SPECS, layout_free=prepack_weights)
     target = host_target()
     with target:
         mod = cpu_schedule_pass(prepack="auto" if prepack_weights else False)(mod)
@@ -249,12 +263,7 @@ def test_bfloat16_linear_equals_numpy(prepack_weights):
                 weights = [tvm.runtime.tensor(a, dev) for a in weights]
             out = vm[name](*[tvm.runtime.tensor(a, dev) for a in acts], *weights).numpy()
             assert out.dtype == bf16
-            # the kernel rounds the float32 sum to bf16, then the epilogue rounds again
-            y = (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32).astype(bf16)
-            ref = reference_linear(y.astype(np.float64), np.eye(N), epilogue,
-                                   None if extra is None else extra.astype(np.float64))
-            np.testing.assert_allclose(out.astype(np.float64), ref, rtol=2e-2, atol=2e-2,
-                                       err_msg=f"{name} M={M}")
+            _assert_bf16_linear(out, x, w, epilogue, extra, f"{name} M={M}")
 
 
 def _matmul_reads(func) -> dict:
@@ -263,15 +272,6 @@ def _matmul_reads(func) -> dict:
     blocks = [sch.get(b) for b in sch.get_child_blocks(sch.get_sblock("root"))]
     return {b.name_hint: {str(r.source.dtype) for r in b.reads}
             for b in blocks if "matmul" in b.name_hint}
-
-
-def _bf16_suite(specs):
-    from tvm_llm.passes.accumulate_half_matmul import AccumulateHalfMatmulInFloat32
-
-    mod = workloads.linear_suite([dict(name=n, K=k, N=nn, mode=m, epilogue=e, dtype="bfloat16")
-                                  for n, k, nn, m, e in specs],
-                                 graph_passes=[AccumulateHalfMatmulInFloat32()])
-    return relax.transform.AttachAttrLayoutFreeBuffers()(mod)
 
 
 def _update_reads(spec, mcpu: str) -> set:
@@ -316,8 +316,6 @@ def test_bfloat16_prefill_widens_once_on_avx2():
         assert str(wp[0].dtype) == "bfloat16"
         for M in ((1, 2) if mode == "decode" else (1, 3, 4, 9, 130)):
             x = rng.standard_normal((1, M, K) if mode == "prefill" else (M, 1, K)).astype(bf16)
-            out = vm[name](tvm.runtime.tensor(x, dev), *wp).numpy().astype(np.float64)
-            y = (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32).astype(bf16)
-            ref = reference_linear(y.astype(np.float64), np.eye(N), epilogue,
-                                   None if epilogue is None else bias.astype(np.float64))
-            np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2, err_msg=f"{name} M={M}")
+            out = vm[name](tvm.runtime.tensor(x, dev), *wp).numpy()
+            _assert_bf16_linear(out, x, w, epilogue, None if epilogue is None else bias,
+                                f"{name} M={M}")

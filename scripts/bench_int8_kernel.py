@@ -151,6 +151,7 @@ def weight_sets(arrays, dev, copies: int) -> list:
 def compiled_from(path: str, fmt: str, K: int, N: int):
     """compiled() with the kernel function of another copy of int8_act_matmul.py."""
     import importlib.util
+    import inspect
 
     import schedules.cpu.int8_act_matmul as kernel_module
 
@@ -163,8 +164,13 @@ def compiled_from(path: str, fmt: str, K: int, N: int):
         llvm_target._int8_act_kernel.cache_clear()
         llvm_target._int8_act_template.cache_clear()
 
-    own = kernel_module.int8_act_matmul_func
-    kernel_module.int8_act_matmul_func = other.int8_act_matmul_func  # the target imports it per call
+    own, theirs = kernel_module.int8_act_matmul_func, other.int8_act_matmul_func
+    known = inspect.signature(theirs).parameters  # an older copy may lack newer options
+
+    def func(*args, **kwargs):
+        return theirs(*args, **{k: v for k, v in kwargs.items() if k in known})
+
+    kernel_module.int8_act_matmul_func = func  # the target imports it per call
     forget()
     try:
         return compiled(fmt, K, N)

@@ -28,6 +28,16 @@ def test_float_build_with_a_packed_head_counts_the_head_once():
     assert all_bytes == head + sum(p["nbytes"] for p in body)  # the lookup table is not counted
 
 
+def test_bf16_head_packed_in_k_pairs_counts_the_head_once():
+    """The layout of a bfloat16 CPU build with vdpbf16ps (llama-110m's head: (1000, 384, 32, 2));
+    the lookup table was counted a second time as the head before."""
+    body = [_p("norm", (H,), "bfloat16"), _p("wqkv", (64, H // 2, 48, 2), "bfloat16")]
+    params = [_p("embed", (V, H), "bfloat16")] + body + [_p("head", (V // 32, H // 2, 32, 2), "bfloat16")]
+    all_bytes, head = bench_quality.stored_bytes(params, V, H, {})
+    assert head == 2 * V * H
+    assert all_bytes == head + sum(p["nbytes"] for p in body)
+
+
 def test_tied_float_head_reading_the_table_is_kept():
     params = [_p("lm_head.weight", (V, H), "bfloat16"), _p("w", (12, 1536, 48), "bfloat16")]
     all_bytes, head = bench_quality.stored_bytes(params, V, H, {})

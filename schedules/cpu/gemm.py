@@ -38,12 +38,12 @@ Why the schedule is shaped so
       ``pragma_loop_partition_hint``, so TVM's LoopPartition emits a predicate-free main loop
       and a predicated tail. Decode (M = 1) runs only the tail: one row against each panel, a
       streaming GEMV over the packed weight (measured faster than a dedicated Mr=1 loop on
-      znver4). Where the CPU's row asks for it (``gemm_decode_streams``, Intel and AVX2: 4) a decode
-      kernel instead walks that many neighbouring panels side by side, one row at a time:
-      per k one broadcast of x and Nv FMAs on each panel, so several sequential weight
-      streams are in flight per core (1.5-1.6x the bandwidth of one on emeraldrapids,
-      1.4-2.0x on znver3). The packed layout is the same as prefill's: both kernels read one
-      weight.
+      znver4). Where the CPU's row asks for it (``gemm_decode_streams``, Intel, znver5 and
+      AVX2: 4) a decode kernel instead walks that many neighbouring panels side by side, one
+      row at a time: per k one broadcast of x and Nv FMAs on each panel, so several
+      sequential weight streams are in flight per core (1.5-1.6x the bandwidth of one on
+      emeraldrapids, 1.4-2.0x on znver3, 1.02-1.2x on znver5). The packed layout is the same
+      as prefill's: both kernels read one weight.
     * bfloat16/float16 inputs without ``vdpbf16ps`` (AVX2, AVX-512 without BF16, aarch64):
       decode widens each weight vector in registers (free beside the memory traffic); prefill
       widens once (:func:`widens_once`): the activations into a float32 copy per call, each

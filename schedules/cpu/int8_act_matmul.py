@@ -94,6 +94,12 @@ Tried and measured equal at batch 1 (1 thread, CPU time, cold, interleaved): two
 parallel iteration, and q8_0 with U = 1 or 2 groups per block statement instead of 8.
 Distance of (d)'s prefetch (same method, 30 rounds x 8 steps, both load orders, 1 and 2
 threads): 16 KiB 0.98-1.02 of 8 KiB's step time, 4 KiB 1.01-1.06, 2 KiB 1.01-1.07; 8 KiB stays.
+That was measured on znver4. On znver5 (EPYC Turin) the same method found the opposite: every
+line of each group after its statement (`decode_prefetch="every-line"`, chosen by the CPU's
+row in microarch.py) stepped in 0.61-0.64x the time for q4_k with 16-bit activations (the first
+line left the kernel at ~27 GB/s of ~50) and 0.83-0.98x for q4_0, q8_0 and the q4 / q8
+defaults (llama-110m, 2 threads, both load orders; at 1 thread q4_k 0.57x, q8_0 0.81x, q4
+0.98x).
 
 Without VNNI (dot "avx512bw": AVX-512 CPUs before Cascade Lake; dot "avx2": Zen 2/3, Haswell to
 the client cores): the same layout, quantization and float terms; each group's dot products
@@ -153,6 +159,9 @@ GROUP = 32
 # (vpmaddubsw + vpmaddwd); the target picks (targets/llvm.py int8_dot_isa)
 DOT_ISAS = ("vnni", "avx512bw", "avx2")
 PREFETCH_BYTES = 8192  # weights prefetched this far ahead into L2 (measured best of 1-64 KiB)
+# decode's prefetch per group with VNNI: the first 64-byte line or every line (per CPU:
+# microarch.TileRow.int8_decode_prefetch); without VNNI always every line
+DECODE_PREFETCH = ("first-line", "every-line")
 
 
 def chunks_per_group(fmt) -> int:
@@ -161,13 +170,15 @@ def chunks_per_group(fmt) -> int:
 
 
 def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
-                         act_bits: int = 8, dot: str = "vnni") -> tvm.tirx.PrimFunc:
+                         act_bits: int = 8, dot: str = "vnni",
+                         decode_prefetch: str = "first-line") -> tvm.tirx.PrimFunc:
     """The kernel for x: (A, B, K) float32 -> (A, B, N) and weights of format `fmt` (a
     quantization.formats.WeightFormat) in the layout above. N = None: N / 16 tiles left
     symbolic (bound by the weight buffer's first dimension): one parse serves every N of this
     K, each shape then being `specialize_n`'s (TVMScript parsing took ~1 s per kernel).
     act_bits 16: 16-bit activations as two int8 halves (see "16-bit activations" above).
-    dot: the instructions of the group dot products, one of DOT_ISAS (see "Without VNNI")."""
+    dot: the instructions of the group dot products, one of DOT_ISAS (see "Without VNNI").
+    decode_prefetch: one of DECODE_PREFETCH, what decode prefetches of each group with VNNI."""
     from tvm_llm.quantization.formats import ACTIVATION_QMAX, super_groups
 
     if act_bits not in ACTIVATION_QMAX:
@@ -175,6 +186,9 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     if dot not in DOT_ISAS:
         raise ValueError(f"int8-activation matmul: unknown dot-product instructions {dot!r} "
                          f"(one of {DOT_ISAS})")
+    if decode_prefetch not in DECODE_PREFETCH:
+        raise ValueError(f"int8-activation matmul: unknown decode prefetch {decode_prefetch!r} "
+                         f"(one of {DECODE_PREFETCH})")
     if (N is not None and N % TILE_N) or K % GROUP:
         raise ValueError(f"int8-activation matmul needs N % 16 == 0 and K % 32 == 0 (N={N}, K={K})")
 
@@ -207,10 +221,11 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
 
     @T.macro
     def decode_prefetch(wp, nt, g):
-        """Decode: group g's weights PREFETCH_BYTES ahead into L2. With VNNI only its first
-        64-byte line, the hardware prefetchers fetching the others (see the module docstring);
-        without VNNI every line of the group (see "Without VNNI")."""
-        if dot != "vnni":
+        """Decode: group g's weights PREFETCH_BYTES ahead into L2. With VNNI its first 64-byte
+        line, the hardware prefetchers fetching the others (see the module docstring), or every
+        line where the CPU's row says so (znver5); without VNNI every line of the group (see
+        "Without VNNI")."""
+        if dot != "vnni" or decode_prefetch == "every-line":
             prefetch(wp, nt, g)
         else:
             T.evaluate(prefetch_l2(T.address_of(wp[nt, g + pf_groups, 0, 0])))

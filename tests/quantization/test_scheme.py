@@ -130,6 +130,21 @@ def test_int8_activation_kernels_without_vnni(cpu, isa, fmt, bits):
         assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), rows
 
 
+@pytest.mark.parametrize("cpu,chunks", [("znver4", {"0"}), ("znver5", {"c"}), ("sapphirerapids", {"0"}),
+                                        ("x86-64-v3", {"c"})])
+def test_decode_prefetch_follows_the_cpu_row(cpu, chunks):
+    """Batch-1 decode prefetches the first 64-byte chunk of each group ahead (wp[nt, g + d, 0,
+    0]) with VNNI, every chunk (wp[nt, g + d, c, 0] in a loop over c) where the CPU's row in
+    schedules/cpu/microarch.py says so (znver5: 0.61-0.98x the step time of first-line) and
+    without VNNI (x86-64-v3)."""
+    import re
+
+    f = get_target("llvm", arch=cpu).quantized_matmul_kernel("q4_k", 480, 48, "float32", 16)
+    decode = [m.group(1) for m in re.finditer(r'"llvm\.prefetch", T\.address_of\(wp\[nt, u \* \d+ \+ j '
+                                              r'\+ \d+, (\w+), 0\]\)', f.script())]
+    assert decode and set(decode) == chunks, decode
+
+
 @pytest.mark.parametrize("fmt", ["q4_k", "q8_0"])
 def test_weight_only_kernels_on_an_avx2_target(fmt):
     """Weight-only builds (--activations float) on CPUs without AVX-512 (x86-64-v3 code runs

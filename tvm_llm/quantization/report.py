@@ -38,8 +38,9 @@ def stored_bytes(params: list, V: int, H: int, quantized: dict) -> tuple:
 
     The head is found by its exact layout: a quantized head (listed in `quantized`) by the
     (shape, dtype) list its format's packer makes (quantization/scheme.packed_shapes); a float
-    head as a float (V, H) table or a GEMM-packed (V / PN, H, PN) copy of it (float CPU builds
-    pack the head under a new name and keep the table for the lookup). The lookup table is any
+    head as a float (V, H) table or a GEMM-packed (V / PN, H, PN) copy of it, (V / PN, H / 2,
+    PN, 2) where bfloat16 panels hold k pairs for vdpbf16ps (float CPU builds pack the head under
+    a new name and keep the table for the lookup). The lookup table is any
     other tensor led by V rows (float (V, H), or quantized rows and their scales). When the
     head reads the table itself (one tensor), nothing is left to drop. Matching by shape
     rather than by count of elements: a decoder layer's packed tensors can hold exactly V rows'
@@ -74,8 +75,14 @@ def stored_bytes(params: list, V: int, H: int, quantized: dict) -> tuple:
             head.append(hit)
     else:
         is_float = lambda p: p["dtype"].startswith(("float", "bfloat"))  # noqa: E731
-        head = take(lambda p: is_float(p) and len(p["shape"]) == 3 and p["shape"][1] == H
-                    and p["shape"][0] * p["shape"][2] == V)
+
+        def is_packed_head(p) -> bool:
+            """(V / PN, H, PN) panels, or (V / PN, H / 2, PN, 2) for vdpbf16ps's k pairs."""
+            s = p["shape"]
+            return is_float(p) and s[0] * s[2] == V and (
+                (len(s) == 3 and s[1] == H) or (len(s) == 4 and s[1] * s[3] == H and s[3] == 2))
+
+        head = take(lambda p: len(p["shape"]) in (3, 4) and is_packed_head(p))
         if not head:  # the head reads the float table itself
             head = take(lambda p: is_float(p) and list(p["shape"]) == [V, H])[:1]
         if not head:

@@ -83,7 +83,7 @@ def llvm_hw_key(target) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _int8_act_template(fmt: str, K: int, out_dtype: str, act_bits: int, dot: str):
+def _int8_act_template(fmt: str, K: int, out_dtype: str, act_bits: int, dot: str, prefetch: str):
     """The int8-activation kernel of one (format, K) with its N symbolic, made once per process:
     it is written in TVMScript, and parsing it took ~1-3 s per kernel (most of a q4 build's
     passes), while a model has only a few distinct K. PrimFuncs are immutable: sharing is safe."""
@@ -91,17 +91,20 @@ def _int8_act_template(fmt: str, K: int, out_dtype: str, act_bits: int, dot: str
 
     from ..quantization.formats import get_format
 
-    return int8_act_matmul_func(get_format(fmt), K, None, out_dtype, act_bits, dot)
+    return int8_act_matmul_func(get_format(fmt), K, None, out_dtype, act_bits, dot,
+                                decode_prefetch=prefetch)
 
 
 @functools.lru_cache(maxsize=None)
-def _int8_act_kernel(fmt: str, K: int, N: int, out_dtype: str, act_bits: int, dot: str):
+def _int8_act_kernel(fmt: str, K: int, N: int, out_dtype: str, act_bits: int, dot: str,
+                     prefetch: str):
     """The template specialized to N (milliseconds)."""
     from schedules.cpu.int8_act_matmul import specialize_n
 
     from ..quantization.formats import get_format
 
-    return specialize_n(_int8_act_template(fmt, K, out_dtype, act_bits, dot), get_format(fmt), K, N)
+    return specialize_n(_int8_act_template(fmt, K, out_dtype, act_bits, dot, prefetch),
+                        get_format(fmt), K, N)
 
 
 @register_target("llvm")
@@ -160,14 +163,18 @@ class LLVMTarget(TargetSpec):
 
     def quantized_matmul_kernel(self, fmt: str, K: int, N: int, out_dtype: str, act_bits: int = 8):
         """The int8-activation kernel (schedules/cpu/int8_act_matmul.py), one per shape,
-        activation width (8, or 16 as two int8 halves) and dot-product instructions."""
+        activation width (8, or 16 as two int8 halves), dot-product instructions and the CPU's
+        decode prefetch (schedules/cpu/microarch.py)."""
+        from schedules.cpu.microarch import tile_row
+
         from ..errors import UserError
 
         dot = self.int8_dot_isa()
         if dot is None:
             raise UserError(f"this CPU target ({self.tvm_target()}) has no int8 dot-product instructions "
                             "(x86 with AVX2 or AVX-512): build with --activations float")
-        return _int8_act_kernel(fmt, K, N, out_dtype, act_bits, dot)
+        return _int8_act_kernel(fmt, K, N, out_dtype, act_bits, dot,
+                                tile_row(self.tvm_target()).int8_decode_prefetch)
 
     def cache_kernels(self, kv_mod, attn, dtype: str, page_size: int) -> dict:
         """Our CPU attention kernels for any page size (TVM's are scalar and serial), see

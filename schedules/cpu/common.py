@@ -49,12 +49,13 @@ MAX_STACK_BYTES = 1024
 # --------------------------------------------------------------------------------------------
 # Target description
 # --------------------------------------------------------------------------------------------
-def prefetch_l2(address):
+def prefetch_l2(address, locality: int = 2):
     """A software prefetch of the 64-byte line at `address` into L2 (llvm.prefetch: read,
-    locality 2, data cache), as a TIR expression to T.evaluate: the kernels that stream
-    weights or KV pages ahead of their compute share this one spelling."""
+    locality 2, data cache; locality 3 prefetches into L1 as well), as a TIR expression to
+    T.evaluate: the kernels that stream weights or KV pages ahead of their compute share this
+    one spelling."""
     return tirx.call_llvm_intrin("void", "llvm.prefetch", address, tirx.const(0, "int32"),
-                                 tirx.const(2, "int32"), tirx.const(1, "int32"))
+                                 tirx.const(locality, "int32"), tirx.const(1, "int32"))
 
 
 def is_llvm_cpu(target: Target | None) -> bool:

@@ -99,7 +99,9 @@ line of each group after its statement (`decode_prefetch="every-line"`, chosen b
 row in microarch.py) stepped in 0.61-0.64x the time for q4_k with 16-bit activations (the first
 line left the kernel at ~27 GB/s of ~50) and 0.83-0.98x for q4_0, q8_0 and the q4 / q8
 defaults (llama-110m, 2 threads, both load orders; at 1 thread q4_k 0.57x, q8_0 0.81x, q4
-0.98x).
+0.98x). Prefetching those lines into L1 (prefetcht0, "every-line-l1") instead of L2 took
+another 0.87-0.94x (q4_k, q8_0 on llama-110m, 1 and 2 threads) and 0.97-0.98x (the q4 default
+on llama-1b), so znver5 takes that.
 
 Without VNNI (dot "avx512bw": AVX-512 CPUs before Cascade Lake; dot "avx2": Zen 2/3, Haswell to
 the client cores): the same layout, quantization and float terms; each group's dot products
@@ -159,9 +161,10 @@ GROUP = 32
 # (vpmaddubsw + vpmaddwd); the target picks (targets/llvm.py int8_dot_isa)
 DOT_ISAS = ("vnni", "avx512bw", "avx2")
 PREFETCH_BYTES = 8192  # weights prefetched this far ahead into L2 (measured best of 1-64 KiB)
-# decode's prefetch per group with VNNI: the first 64-byte line or every line (per CPU:
-# microarch.TileRow.int8_decode_prefetch); without VNNI always every line
-DECODE_PREFETCH = ("first-line", "every-line")
+# decode's prefetch per group with VNNI: the first 64-byte line into L2, every line into L2, or
+# every line into L1 (per CPU: microarch.TileRow.int8_decode_prefetch); without VNNI always
+# every line into L2
+DECODE_PREFETCH = ("first-line", "every-line", "every-line-l1")
 
 
 def chunks_per_group(fmt) -> int:
@@ -220,12 +223,21 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
             T.evaluate(prefetch_l2(T.address_of(wp[nt, g + pf_groups, c, 0])))
 
     @T.macro
+    def prefetch_l1(wp, nt, g):
+        """Decode where the CPU's row says "every-line-l1": every line of group g's weights
+        PREFETCH_BYTES ahead into L1 (and L2)."""
+        for c in T.unroll(C):
+            T.evaluate(prefetch_l2(T.address_of(wp[nt, g + pf_groups, c, 0]), locality=3))
+
+    @T.macro
     def decode_prefetch(wp, nt, g):
         """Decode: group g's weights PREFETCH_BYTES ahead into L2. With VNNI its first 64-byte
         line, the hardware prefetchers fetching the others (see the module docstring), or every
-        line where the CPU's row says so (znver5); without VNNI every line of the group (see
-        "Without VNNI")."""
-        if dot != "vnni" or decode_prefetch == "every-line":
+        line (into L1 with "every-line-l1") where the CPU's row says so (znver5); without VNNI
+        every line of the group (see "Without VNNI")."""
+        if dot == "vnni" and decode_prefetch == "every-line-l1":
+            prefetch_l1(wp, nt, g)
+        elif dot != "vnni" or decode_prefetch == "every-line":
             prefetch(wp, nt, g)
         else:
             T.evaluate(prefetch_l2(T.address_of(wp[nt, g + pf_groups, 0, 0])))

@@ -36,7 +36,8 @@ neon               aarch64 (generic, neoverse-*, apple-*)                      r
   0.92-0.93x in bfloat16 (scripts/ab_decode.py, both load orders). The int8-activation
   decode prefetches every line of a group here, not the first (llama-110m builds, 2 threads,
   scripts/ab_decode.py, both load orders: q4_k with 16-bit activations 0.61-0.64x the step
-  time, q4_0 0.83-0.93x, q8_0 0.83-0.97x, the q4 / q8 defaults 0.95-0.98x / 0.94-0.95x).
+  time, q4_0 0.83-0.93x, q8_0 0.83-0.97x, the q4 / q8 defaults 0.95-0.98x / 0.94-0.95x), and
+  into L1 rather than L2 (a further 0.87-0.94x for q4_k and q8_0, 0.97-0.98x for llama-1b q4).
 * intel-avx512-2fma, measured on an Intel Xeon (emeraldrapids, a 2-core VM whose neighbours
   moved its sgemm peak between 150 and 290 GFLOP/s and its read bandwidth between 9 and 25 GB/s
   within minutes; only figures of one interleaved run compare). Prefill, 1 thread, CPU time,
@@ -87,7 +88,8 @@ class TileRow:
     measured: bool
     gemm_decode_streams: int = 1  # packed panels one decode row walks at once (gemm.py)
     # the int8-activation decode's prefetch with VNNI: each group's "first-line" or
-    # "every-line" (int8_act_matmul.py DECODE_PREFETCH; without VNNI always every line)
+    # "every-line" into L2, or "every-line-l1" (int8_act_matmul.py DECODE_PREFETCH; without
+    # VNNI always every line)
     int8_decode_prefetch: str = "first-line"
 
 
@@ -102,7 +104,7 @@ ROWS = (
             gemm=((7, 2), (4, 3), (3, 4), (15, 1)),
             gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),
             gemv_decode=_DECODE, measured=True, gemm_decode_streams=4,
-            int8_decode_prefetch="every-line"),
+            int8_decode_prefetch="every-line-l1"),
     TileRow("intel-avx512-2fma",
             ("sapphirerapids", "emeraldrapids", "graniterapids*", "icelake-server",
              "cascadelake", "cooperlake", "skylake-avx512", "diamondrapids"), "avx512",

@@ -130,19 +130,19 @@ def test_int8_activation_kernels_without_vnni(cpu, isa, fmt, bits):
         assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), rows
 
 
-@pytest.mark.parametrize("cpu,chunks", [("znver4", {"0"}), ("znver5", {"c"}), ("sapphirerapids", {"0"}),
-                                        ("x86-64-v3", {"c"})])
-def test_decode_prefetch_follows_the_cpu_row(cpu, chunks):
-    """Batch-1 decode prefetches the first 64-byte chunk of each group ahead (wp[nt, g + d, 0,
-    0]) with VNNI, every chunk (wp[nt, g + d, c, 0] in a loop over c) where the CPU's row in
-    schedules/cpu/microarch.py says so (znver5: 0.61-0.98x the step time of first-line) and
-    without VNNI (x86-64-v3)."""
+@pytest.mark.parametrize("cpu,prefetches", [("znver4", {("0", "2")}), ("znver5", {("c", "3")}),
+                                             ("sapphirerapids", {("0", "2")}), ("x86-64-v3", {("c", "2")})])
+def test_decode_prefetch_follows_the_cpu_row(cpu, prefetches):
+    """Batch-1 decode prefetches, PREFETCH_BYTES ahead, the first 64-byte chunk of each group
+    into L2 (wp[nt, g + d, 0, 0], locality 2) with VNNI; every chunk (wp[nt, g + d, c, 0] in a
+    loop over c) without VNNI (x86-64-v3), and every chunk into L1 (locality 3) where the CPU's
+    row in schedules/cpu/microarch.py says so (znver5)."""
     import re
 
     f = get_target("llvm", arch=cpu).quantized_matmul_kernel("q4_k", 480, 48, "float32", 16)
-    decode = [m.group(1) for m in re.finditer(r'"llvm\.prefetch", T\.address_of\(wp\[nt, u \* \d+ \+ j '
-                                              r'\+ \d+, (\w+), 0\]\)', f.script())]
-    assert decode and set(decode) == chunks, decode
+    decode = set(re.findall(r'"llvm\.prefetch", T\.address_of\(wp\[nt, u \* \d+ \+ j \+ \d+, (\w+), 0\]\), '
+                            r'0, (\d), 1\)', f.script()))
+    assert decode == prefetches, decode
 
 
 @pytest.mark.parametrize("fmt", ["q4_k", "q8_0"])

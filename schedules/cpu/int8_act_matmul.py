@@ -214,20 +214,14 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     QMAX = ACTIVATION_QMAX[act_bits]  # |q| bound of an activation block (16-bit: q = hi * 256 + lo)
 
     @T.macro
-    def prefetch(wp, nt, g):
-        """Rows of x: every line of group g's weights PREFETCH_BYTES ahead into L2 (past the
-        end of a tile: the next tile's). With several rows of x a group's compute is long
-        enough that the out-of-order window holds only 2-3 groups of loads, too few to hide
-        DRAM latency; measured, this made cold-weight batch-8 calls 1.2-1.7x faster."""
+    def prefetch(wp, nt, g, locality):
+        """Every line of group g's weights PREFETCH_BYTES ahead (past the end of a tile: the
+        next tile's), into L2 (locality 2) or L1 (3). Rows of x, into L2: with several rows of
+        x a group's compute is long enough that the out-of-order window holds only 2-3 groups
+        of loads, too few to hide DRAM latency; measured, this made cold-weight batch-8 calls
+        1.2-1.7x faster."""
         for c in T.unroll(C):
-            T.evaluate(prefetch_l2(T.address_of(wp[nt, g + pf_groups, c, 0])))
-
-    @T.macro
-    def prefetch_l1(wp, nt, g):
-        """Decode where the CPU's row says "every-line-l1": every line of group g's weights
-        PREFETCH_BYTES ahead into L1 (and L2)."""
-        for c in T.unroll(C):
-            T.evaluate(prefetch_l2(T.address_of(wp[nt, g + pf_groups, c, 0]), locality=3))
+            T.evaluate(prefetch_l2(T.address_of(wp[nt, g + pf_groups, c, 0]), locality))
 
     @T.macro
     def decode_prefetch(wp, nt, g):
@@ -235,10 +229,10 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
         line, the hardware prefetchers fetching the others (see the module docstring), or every
         line (into L1 with "every-line-l1") where the CPU's row says so (znver5); without VNNI
         every line of the group (see "Without VNNI")."""
-        if dot == "vnni" and decode_prefetch == "every-line-l1":
-            prefetch_l1(wp, nt, g)
-        elif dot != "vnni" or decode_prefetch == "every-line":
-            prefetch(wp, nt, g)
+        if dot != "vnni":
+            prefetch(wp, nt, g, 2)
+        elif decode_prefetch != "first-line":
+            prefetch(wp, nt, g, 3 if decode_prefetch == "every-line-l1" else 2)
         else:
             T.evaluate(prefetch_l2(T.address_of(wp[nt, g + pf_groups, 0, 0])))
 
@@ -485,7 +479,7 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
                 for g in range(NG):
                     tiles = T.alloc_buffer((16 if split8 else 8,), "uint8x64", scope="local")
                     ab = T.alloc_buffer((2,), "float32x16", scope="local")
-                    prefetch(wp, nt, g)
+                    prefetch(wp, nt, g, 2)
                     unpack(tiles, wp, nt, g)
                     coefficients(ab, p0, p1, p2, p3, nt, g)
                     for r in range(A * B):

@@ -1,12 +1,12 @@
 """Register tiles per CPU microarchitecture, chosen from the target's ``-mcpu``.
 
-Two CPUs with the same ISA want different matmul tiles: AMD znver4 runs AVX-512 on two
-256-bit pipes (one 512-bit FMA per cycle), AMD znver5 (EPYC Turin) and Intel server parts since skylake-avx512 have two
-512-bit FMA ports (two per cycle, from L1 and L2 that must then feed twice the bytes). The
-rules (:mod:`.gemm`, :mod:`.gemv`) read their tile candidates from the row of this table that
-matches the target's CPU; the tuner (tvm_llm/tune/rule_grid.py) measures every candidate of
-the row on the machine and records the winner in the tuning log, so a row that is only
-reasoned is corrected by measurement wherever such a CPU is at hand.
+Two CPUs with the same ISA want different matmul tiles: AMD znver4 runs AVX-512 on two 256-bit
+pipes (one 512-bit FMA per cycle), AMD znver5 (EPYC Turin) and Intel server parts since
+skylake-avx512 have two 512-bit FMA ports (two per cycle, from L1 and L2 that must then feed
+twice the bytes). The rules (:mod:`.gemm`, :mod:`.gemv`) read their tile candidates from the
+row of this table that matches the target's CPU; the tuner (tvm_llm/tune/rule_grid.py) measures
+every candidate of the row on the machine and records the winner in the tuning log, so a row
+that is only reasoned is corrected by measurement wherever such a CPU is at hand.
 
 Rows and where their figures come from:
 
@@ -27,17 +27,18 @@ neon               aarch64 (generic, neoverse-*, apple-*)                      r
   shapes, n=128): packed GEMM 4x3 and 7x2 at 106-111 GFLOP/s (~95% of one 512-bit FMA per
   cycle); row-major GEMV-rule prefill 3x4 80 GF/s, 2x6 74, 1x8 45; decode 1x8 at torch.sum's
   bandwidth, 2x6 15% slower.
-* zen5, measured on an AMD EPYC Turin (znver5, a 2-core VM; two 512-bit FMA pipes), same
-  script and shapes: 1 thread, CPU time: packed GEMM 7x2 256-268 GF/s (2.2x numpy's sgemm of the run, ~2 FMAs per
-  cycle), 4x3 and 3x4 alike except on the long-K down projection (K=5632: 7x2 256, 4x3 221,
-  3x4 176), 15x1/14x1 145-225. Decode at 2 threads (--decode-streams 1,2,4,8): 4 panels side
-  by side streamed 47-53 GB/s where one streamed 45-49 (1b down 52 against 43), 8 no better;
-  a whole llama-110m decode step took 0.93-0.96x the time of the zen4 row's in float32 and
-  0.92-0.93x in bfloat16 (scripts/ab_decode.py, both load orders). The int8-activation
-  decode prefetches every line of a group here, not the first (llama-110m builds, 2 threads,
-  scripts/ab_decode.py, both load orders: q4_k with 16-bit activations 0.61-0.64x the step
-  time, q4_0 0.83-0.93x, q8_0 0.83-0.97x, the q4 / q8 defaults 0.95-0.98x / 0.94-0.95x), and
-  into L1 rather than L2 (a further 0.87-0.94x for q4_k and q8_0, 0.97-0.98x for llama-1b q4).
+* zen5, measured on an AMD EPYC Turin (znver5, a 2-core VM; two 512-bit FMA pipes), same script
+  and shapes, 1 thread, CPU time: packed GEMM 7x2 256-268 GF/s (2.2x numpy's sgemm of the run,
+  ~2 FMAs per cycle), 4x3 and 3x4 alike except on the long-K down projection (K=5632: 7x2 256,
+  4x3 221, 3x4 176), 15x1/14x1 145-225. Decode at 2 threads (--decode-streams 1,2,4,8): 4
+  panels side by side streamed 47-53 GB/s where one streamed 45-49 (1b down 52 against 43), 8
+  no better; a whole llama-110m decode step took 0.93-0.96x the time of the zen4 row's in
+  float32 and 0.92-0.93x in bfloat16 (scripts/ab_decode.py, both load orders). The
+  int8-activation decode prefetches every line of a group here, not the first (llama-110m
+  builds, 2 threads, scripts/ab_decode.py, both load orders: q4_k with 16-bit activations
+  0.61-0.64x the step time, q4_0 0.83-0.93x, q8_0 0.83-0.97x, the q4 / q8 defaults 0.95-0.98x /
+  0.94-0.95x), and into L1 rather than L2 (a further 0.87-0.94x for q4_k and q8_0, 0.97-0.98x
+  for llama-1b q4).
 * intel-avx512-2fma, measured on an Intel Xeon (emeraldrapids, a 2-core VM whose neighbours
   moved its sgemm peak between 150 and 290 GFLOP/s and its read bandwidth between 9 and 25 GB/s
   within minutes; only figures of one interleaved run compare). Prefill, 1 thread, CPU time,

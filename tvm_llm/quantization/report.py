@@ -79,10 +79,10 @@ def stored_bytes(params: list, V: int, H: int, quantized: dict) -> tuple:
         def is_packed_head(p) -> bool:
             """(V / PN, H, PN) panels, or (V / PN, H / 2, PN, 2) for vdpbf16ps's k pairs."""
             s = p["shape"]
-            return is_float(p) and s[0] * s[2] == V and (
-                (len(s) == 3 and s[1] == H) or (len(s) == 4 and s[1] * s[3] == H and s[3] == 2))
+            return len(s) in (3, 4) and is_float(p) and s[0] * s[2] == V and (
+                (len(s) == 3 and s[1] == H) or (s[1] * s[3] == H and s[3] == 2))
 
-        head = take(lambda p: len(p["shape"]) in (3, 4) and is_packed_head(p))
+        head = take(is_packed_head)
         if not head:  # the head reads the float table itself
             head = take(lambda p: is_float(p) and list(p["shape"]) == [V, H])[:1]
         if not head:

@@ -24,6 +24,7 @@ def cpu_rules(prepack="auto", dequant_panel: bool = False):
     otherwise the GEMV rule takes it with the dequantize inlined."""
     from tvm.s_tir import dlight as dl
 
+    from ..fallbacks import passing_on_failure
     from .elementwise import Elementwise
     from .gemm import GEMM
     from .gemv import GEMV
@@ -34,7 +35,7 @@ def cpu_rules(prepack="auto", dequant_panel: bool = False):
 
     panel = [DequantGEMM()] if dequant_panel else []
     return [MoEGemm(), GEMM(prepack=prepack), *panel, GEMV(), RowReduction(), Elementwise(),
-            dl.cpu.GEMV(), dl.cpu.Reduction()]
+            *map(passing_on_failure, (dl.cpu.GEMV(), dl.cpu.Reduction()))]
 
 
 def cpu_schedule_pass(prepack="auto", dequant_panel: bool = False):

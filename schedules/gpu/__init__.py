@@ -11,11 +11,12 @@ def gpu_schedule_passes(rules: list) -> list:
     fallbacks in one pass: every kernel ends up bound to threads."""
     from tvm.s_tir import dlight as dl
 
+    from ..fallbacks import passing_on_failure
     from .analysis import AnnotateSymbolicBounds
 
+    fallbacks = [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction()]
     return [AnnotateSymbolicBounds(),
-            dl.ApplyDefaultSchedule(*rules, dl.gpu.Matmul(), dl.gpu.GEMV(),
-                                    dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
+            dl.ApplyDefaultSchedule(*rules, *map(passing_on_failure, fallbacks),
                                     dl.gpu.Fallback())]
 
 

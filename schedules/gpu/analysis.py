@@ -9,7 +9,6 @@
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import tvm
@@ -18,8 +17,9 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.s_tir.dlight.gpu.matmul import get_index_map, get_reduction_blocks
 
+from ..fallbacks import SCHEDULE_ERRORS, left_to_next_rule
+
 BOUND_ATTR = "tir_var_upper_bound"
-LOG = logging.getLogger("tvm_llm.schedules")
 
 
 @dataclass
@@ -219,8 +219,6 @@ def schedule_or_none(schedule, func, *args, name: str):
         sch = schedule(func, *args)
         check_thread_bound(sch)
         return sch
-    except (RuntimeError, AssertionError, ValueError, TypeError) as err:  # TVM errors included
-        LOG.warning("%s left %s to the next rule: %s", name,
-                    func.attrs.get("global_symbol", "a kernel") if func.attrs else "a kernel",
-                    str(err).strip().splitlines()[-1][:200])
-        return None
+    except SCHEDULE_ERRORS as err:
+        return left_to_next_rule(name, func, err)
+

@@ -373,8 +373,44 @@ def _decode_seconds(generate, prompt, steps: int, sync) -> float:
     return max(timed(steps) - timed(1), 1e-9)
 
 
+def profile_decode(engine, prompt: list, steps: int, sync) -> dict:
+    """Where a decode step's time goes on the GPU, from torch's profiler (CUPTI records every
+    kernel of the process, TVM's and those replayed from CUDA Graphs included): the GPU's busy
+    time per step (the union of kernel intervals) against the wall time, the kernels per step,
+    and the kernels that take the most time. The profiler slows the host side: wall time here
+    is an upper bound; a busy share far below 1 means the step waits on the host."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.generate_ids([prompt], max_new_tokens=2, ignore_eos=True)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        engine.generate_ids([prompt], max_new_tokens=steps + 1, ignore_eos=True)
+        sync()
+        wall = time.perf_counter() - t
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted((e.time_range.start, e.time_range.end) for e in kernels):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    per_name: dict = {}
+    for e in kernels:
+        count, us = per_name.get(e.name, (0, 0.0))
+        per_name[e.name] = (count + 1, us + e.time_range.elapsed_us())
+    n = steps + 1   # the prefill of the prompt is one of them
+    top = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:12]
+    return {"steps": n, "wall_ms_per_step": round(wall / n * 1e3, 3),
+            "gpu_busy_ms_per_step": round(busy / n / 1e3, 3),
+            "gpu_busy_share": round(busy / 1e6 / wall, 3),
+            "kernels_per_step": round(len(kernels) / n, 1),
+            "top_kernels": [{"name": name[:90], "per_step": round(c / n, 2),
+                             "us_per_step": round(us / n, 1)} for name, (c, us) in top]}
+
+
 def roofline(arch: str, shape_name: str, device: str, deadline: float, steps: int,
-             bandwidth_gbs: float | None = None) -> None:
+             bandwidth_gbs: float | None = None, profile_steps: int = 0) -> None:
     """Phase 4 (see the module docstring)."""
     import numpy as np
 
@@ -453,6 +489,11 @@ def roofline(arch: str, shape_name: str, device: str, deadline: float, steps: in
     log(f"decode {shape_name} {dtype} on {name}: " + ", ".join(
         f"{k} {v:.1f} tok/s ({v / limit:.0%} of the {limit:.0f} tok/s roofline)"
         for k, v in rates.items()))
+    if profile_steps and device == "cuda" and torch is not None:
+        try:
+            figure("decode_profile", profile_decode(engine, prompt, profile_steps, sync))
+        except Exception:  # noqa: BLE001  (a diagnostic: its failure fails no check)
+            log("decode profile failed: " + traceback.format_exc(limit=3))
 
 
 def main() -> int:
@@ -467,6 +508,9 @@ def main() -> int:
     parser.add_argument("--roofline-shape", default="llama-1b",
                         help="benchmark shape of phase 4 (scripts/bench.py SHAPES)")
     parser.add_argument("--roofline-steps", type=int, default=129, help="decode steps timed")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="cuda: profile this many decode steps of the roofline model "
+                             "(GPU busy time per step, top kernels)")
     parser.add_argument("--bandwidth-gbs", type=float, default=None,
                         help="memory bandwidth for the roofline instead of the stated figure")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -491,7 +535,7 @@ def main() -> int:
     if not args.skip_roofline and not dry:
         phases.append(("roofline", lambda: roofline(arch, args.roofline_shape, args.device,
                                                     deadline - 20, args.roofline_steps,
-                                                    args.bandwidth_gbs)))
+                                                    args.bandwidth_gbs, args.profile_steps)))
     for name, run in phases:
         if arch is None:
             log(f"skipping {name}: no usable CUDA device")
@@ -502,7 +546,7 @@ def main() -> int:
         try:
             run()
         except Exception:  # noqa: BLE001
-            check(f"{name}_phase_ran", False, traceback.format_exc(limit=6))
+            check(f"{name}_phase_ran", False, traceback.format_exc())
     RESULTS["seconds"] = round(time.perf_counter() - T0, 1)
     ok = all(c["ok"] for c in RESULTS["checks"].values()) and bool(RESULTS["checks"])
     RESULTS["ok"] = ok

@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_check.sh [--skip-model] [--budget-seconds N]
 #   WHEELS=/path/to/wheels bash scripts/gpu_check.sh     # where pip finds packages offline
+#   PYTHONPATH=/tmp/site:$PWD bash scripts/gpu_check.sh   # TVM unpacked by pack_tvm_offline.py
 #
 # 1. makes tvm_llm importable (pip install -e . from local wheels if it is not);
 # 2. makes TVM's CUDA runtime loadable (libcudart.so.13 on LD_LIBRARY_PATH if it is elsewhere);

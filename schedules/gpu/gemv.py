@@ -108,8 +108,11 @@ class DecodeGEMV(ScheduleRule):
         auto_inline_consumers(sch, main)   # the copies out of the padded result fold away
         epilogue = sch.get_consumers(main)
         sch.reverse_compute_at(main, j1)
-        *_, lane, row = sch.get_loops(main)
-        sch.reorder(row, lane)                 # the reduced loop must be innermost
+        if rows > 1:
+            *_, lane, row = sch.get_loops(main)
+            sch.reorder(row, lane)             # the reduced loop must be innermost
+        else:   # one row: reverse_compute_at makes no loop of extent 1, the lanes' is last
+            lane = sch.get_loops(main)[-1]
         sch.bind(lane, "threadIdx.x")
         sch.set_scope(main, 0, "local")
         for block in epilogue:

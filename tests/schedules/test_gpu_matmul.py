@@ -140,6 +140,34 @@ def test_gemv_schedule_numerics_on_cpu(kind, kernels, b):
     np.testing.assert_allclose(out.astype("float32"), ref, rtol=4e-3, atol=4e-3)
 
 
+@pytest.mark.parametrize("kind", ["cuda", "rocm"])
+def test_gemv_schedules_a_decode_of_one_row(kind):
+    """A build with max_batch_size 1 bounds decode's batch by 1: the GEMV has a single row, for
+    which reverse_compute_at makes no row loop (the rule failed on it, and dlight's generic
+    fallback ran the model's weight matmuls at ~100 GB/s on an H200)."""
+    from gpu_verify import lower_for_scheduling, run_on_cpu
+    from schedules.gpu.analysis import AnnotateSymbolicBounds
+
+    one_row = Model.with_attr("dummy", 0)   # a copy
+    one_row["decode"] = Model["decode"].with_attr("tir_var_upper_bound", {"b": 1})
+    del one_row["prefill"]
+    mod = AnnotateSymbolicBounds()(lower_for_scheduling(one_row))
+    (func,) = [f for gv, f in mod.functions_items()
+               if isinstance(f, tvm.tirx.PrimFunc) and "matmul" in gv.name_hint]
+    _, rule = _rules(kind)
+    target = _spec(kind).tvm_target()
+    with target:
+        sch = rule.apply(func, target, False)
+    assert sch is not None
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 1, K)).astype("float16")
+    w = rng.standard_normal((N, K)).astype("float16")
+    r = rng.standard_normal((1, 1, N)).astype("float16")
+    (out,) = run_on_cpu(sch.mod["main"], [x, w, r], [(1, 1, N)], ["float16"])
+    ref = ((x.astype("float32") @ w.astype("float32").T).astype("float16") + r).astype("float32")
+    np.testing.assert_allclose(out.astype("float32"), ref, rtol=4e-3, atol=4e-3)
+
+
 # ------------------------------------------------------------------ CUDA
 def test_tensor_core_rule_needs_sm80(kernels):
     from schedules.cuda import cuda_rules

@@ -508,9 +508,9 @@ def main() -> int:
     parser.add_argument("--roofline-shape", default="llama-1b",
                         help="benchmark shape of phase 4 (scripts/bench.py SHAPES)")
     parser.add_argument("--roofline-steps", type=int, default=129, help="decode steps timed")
-    parser.add_argument("--profile-steps", type=int, default=0,
+    parser.add_argument("--profile-steps", type=int, default=32,
                         help="cuda: profile this many decode steps of the roofline model "
-                             "(GPU busy time per step, top kernels)")
+                             "(GPU busy time per step, top kernels); 0: no profile")
     parser.add_argument("--bandwidth-gbs", type=float, default=None,
                         help="memory bandwidth for the roofline instead of the stated figure")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",

@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_check.sh [--skip-model] [--budget-seconds N]
 #   WHEELS=/path/to/wheels bash scripts/gpu_check.sh     # where pip finds packages offline
-#   PYTHONPATH=/tmp/site:$PWD bash scripts/gpu_check.sh   # TVM unpacked by pack_tvm_offline.py
+#   TVM_OFFLINE_PARTS="/tmp/p .tvm_offline" bash scripts/gpu_check.sh   # TVM in parts: pack_tvm_offline.py
 #
 # 1. makes tvm_llm importable (pip install -e . from local wheels if it is not);
 # 2. makes TVM's CUDA runtime loadable (libcudart.so.13 on LD_LIBRARY_PATH if it is elsewhere);
@@ -20,6 +20,12 @@ step "python: $($PY --version 2>&1) at $(command -v $PY)"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
 # -- 1. tvm_llm importable -----------------------------------------------------------------
+# TVM carried in parts (scripts/pack_tvm_offline.py): TVM_OFFLINE_PARTS="/tmp/p .tvm_offline"
+if [ -n "${TVM_OFFLINE_PARTS:-}" ] && ! $PY -c "import tvm" 2>/dev/null; then
+    # shellcheck disable=SC2086
+    $PY scripts/pack_tvm_offline.py unpack --parts $TVM_OFFLINE_PARTS --site /tmp/tvm_site || exit 2
+    export PYTHONPATH="/tmp/tvm_site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+fi
 if ! $PY -c "import tvm_llm, tvm" 2>/dev/null; then
     step "tvm_llm (or tvm) is not importable: installing the repo in editable mode"
     FIND=()

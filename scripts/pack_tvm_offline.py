@@ -5,12 +5,14 @@ here takes at most 64 MiB per call and reaches no package registry. `pack` downl
 for the machine's Python (apache-tvm, apache-tvm-ffi), puts everything but the compiler library
 into one small tar.xz and the compiler, xz-compressed (~59 MB), into parts of at most
 --part-mb; `unpack`, on the GPU machine, rebuilds the site folder and checks the library's
-sha256. Carry part 0 in one call (copy it to /tmp there), the rest in the next, while the
-machine is still warm:
+sha256. Carry part 0 in one call and copy it out of the tree there (the next call's carry
+replaces the folder), the rest in the next call, while the machine is still warm:
 
-    python scripts/pack_tvm_offline.py pack --out .tvm_offline          # here
-    python3 scripts/pack_tvm_offline.py unpack --parts /tmp/p .tvm_offline --site /tmp/site
-    PYTHONPATH=/tmp/site:$PWD bash scripts/gpu_check.sh                  # there
+    python scripts/pack_tvm_offline.py pack --out .tvm_offline       # here (.gitignore'd)
+    mv .tvm_offline/part1 /tmp/part1                                  # here: call 1 carries part0
+    mkdir -p /tmp/p && cp -r .tvm_offline/part0 /tmp/p/               # there: call 1
+    mv /tmp/part1 .tvm_offline/ && rm -r .tvm_offline/part0           # here: call 2 carries the rest
+    TVM_OFFLINE_PARTS="/tmp/p .tvm_offline" bash scripts/gpu_check.sh # there: call 2 (unpacks)
 """
 from __future__ import annotations
 

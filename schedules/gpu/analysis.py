@@ -221,4 +221,3 @@ def schedule_or_none(schedule, func, *args, name: str):
         return sch
     except SCHEDULE_ERRORS as err:
         return left_to_next_rule(name, func, err)
-

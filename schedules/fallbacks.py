@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 
+from tvm.s_tir.dlight.base import ScheduleRule
+
 LOG = logging.getLogger("tvm_llm.schedules")
 
 # what a failed schedule raises: TVM's errors are RuntimeError / ValueError / TypeError, dlight's
@@ -18,27 +20,27 @@ LOG = logging.getLogger("tvm_llm.schedules")
 SCHEDULE_ERRORS = (RuntimeError, AssertionError, ValueError, TypeError)
 
 
-def left_to_next_rule(name: str, func, err: Exception) -> None:
+def left_to_next_rule(name: str, func, err: Exception, level: int = logging.WARNING) -> None:
     """Log that rule `name` failed on `func` (the kernel goes to the next rule); None."""
-    LOG.warning("%s left %s to the next rule: %s", name,
-                func.attrs.get("global_symbol", "a kernel") if func.attrs else "a kernel",
-                (str(err).strip().splitlines() or [type(err).__name__])[-1][:200])
+    LOG.log(level, "%s left %s to the next rule: %s", name,
+            func.attrs.get("global_symbol", "a kernel") if func.attrs else "a kernel",
+            (str(err).strip().splitlines() or [type(err).__name__])[-1][:200])
     return None
 
 
-def passing_on_failure(rule):
-    """`rule` (a dlight ScheduleRule) with a failure on a kernel it claimed logged and the kernel
-    left to the next rule."""
-    from tvm.s_tir.dlight.base import ScheduleRule
+class PassingOnFailure(ScheduleRule):
+    """`rule` (a dlight ScheduleRule) with a failure on a kernel it claimed logged at debug
+    level (the next rule schedules the kernel correctly: nothing for a user to act on) and the
+    kernel left to the next rule."""
 
-    class PassingOnFailure(ScheduleRule):
-        def is_target_available(self, target) -> bool:
-            return rule.is_target_available(target)
+    def __init__(self, rule: ScheduleRule):
+        self.rule = rule
 
-        def apply(self, func, target, tunable):
-            try:
-                return rule.apply(func, target, tunable)
-            except SCHEDULE_ERRORS as err:
-                return left_to_next_rule(type(rule).__name__, func, err)
+    def is_target_available(self, target) -> bool:
+        return self.rule.is_target_available(target)
 
-    return PassingOnFailure()
+    def apply(self, func, target, tunable):
+        try:
+            return self.rule.apply(func, target, tunable)
+        except SCHEDULE_ERRORS as err:
+            return left_to_next_rule(type(self.rule).__name__, func, err, logging.DEBUG)

@@ -24,7 +24,7 @@ def cpu_rules(prepack="auto", dequant_panel: bool = False):
     otherwise the GEMV rule takes it with the dequantize inlined."""
     from tvm.s_tir import dlight as dl
 
-    from ..fallbacks import passing_on_failure
+    from ..fallbacks import PassingOnFailure
     from .elementwise import Elementwise
     from .gemm import GEMM
     from .gemv import GEMV
@@ -35,7 +35,7 @@ def cpu_rules(prepack="auto", dequant_panel: bool = False):
 
     panel = [DequantGEMM()] if dequant_panel else []
     return [MoEGemm(), GEMM(prepack=prepack), *panel, GEMV(), RowReduction(), Elementwise(),
-            *map(passing_on_failure, (dl.cpu.GEMV(), dl.cpu.Reduction()))]
+            *map(PassingOnFailure, (dl.cpu.GEMV(), dl.cpu.Reduction()))]
 
 
 def cpu_schedule_pass(prepack="auto", dequant_panel: bool = False):

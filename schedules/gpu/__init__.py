@@ -11,12 +11,12 @@ def gpu_schedule_passes(rules: list) -> list:
     fallbacks in one pass: every kernel ends up bound to threads."""
     from tvm.s_tir import dlight as dl
 
-    from ..fallbacks import passing_on_failure
+    from ..fallbacks import PassingOnFailure
     from .analysis import AnnotateSymbolicBounds
 
     fallbacks = [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction()]
     return [AnnotateSymbolicBounds(),
-            dl.ApplyDefaultSchedule(*rules, *map(passing_on_failure, fallbacks),
+            dl.ApplyDefaultSchedule(*rules, *map(PassingOnFailure, fallbacks),
                                     dl.gpu.Fallback())]
 
 

@@ -144,13 +144,11 @@ def test_gemv_schedule_numerics_on_cpu(kind, kernels, b):
 def test_gemv_schedules_a_decode_of_one_row(kind):
     """A build with max_batch_size 1 bounds decode's batch by 1: the GEMV has a single row, for
     which reverse_compute_at makes no row loop (the rule failed on it, and dlight's generic
-    fallback ran the model's weight matmuls at ~100 GB/s on an H200)."""
+    fallback ran the model's weight matmuls at 80-420 GB/s on an H200)."""
     from gpu_verify import lower_for_scheduling, run_on_cpu
     from schedules.gpu.analysis import AnnotateSymbolicBounds
 
-    one_row = Model.with_attr("dummy", 0)   # a copy
-    one_row["decode"] = Model["decode"].with_attr("tir_var_upper_bound", {"b": 1})
-    del one_row["prefill"]
+    one_row = tvm.IRModule({"decode": Model["decode"].with_attr("tir_var_upper_bound", {"b": 1})})
     mod = AnnotateSymbolicBounds()(lower_for_scheduling(one_row))
     (func,) = [f for gv, f in mod.functions_items()
                if isinstance(f, tvm.tirx.PrimFunc) and "matmul" in gv.name_hint]

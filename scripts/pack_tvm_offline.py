@@ -71,6 +71,12 @@ def pack(out: str, python: str, part_mb: float, tvm: str, ffi: str) -> None:
           f"of <= {part_mb} MB ({len(packed) / 1e6:.1f} MB of compressed compiler)")
 
 
+def fail(message: str) -> None:
+    """A bad pack: one line on stderr, exit status 2."""
+    print(message, file=sys.stderr)
+    sys.exit(2)
+
+
 def unpack(folders: list, site: str) -> None:
     """`folders`: where the parts and the small files are (part<i>/compiler.xz below any)."""
     def find(rel):
@@ -80,16 +86,20 @@ def unpack(folders: list, site: str) -> None:
     while found := find(f"part{i}/compiler.xz"):
         parts.append(found[0])
         i += 1
-    if not parts or not find("site_rest.tar.xz"):
-        sys.exit(f"unpack: parts or site_rest.tar.xz missing under {folders} (a fresh machine "
-                 "lost the part carried by an earlier call?)")
+    if not parts or not find("site_rest.tar.xz") or not find("compiler.sha256"):
+        fail(f"unpack: parts, site_rest.tar.xz or compiler.sha256 missing under {folders} (a "
+             "fresh machine lost the part carried by an earlier call?): pack again and carry both")
+    try:
+        data = lzma.decompress(b"".join(open(p, "rb").read() for p in parts))
+    except lzma.LZMAError:
+        data = b""   # a part cut short or out of order: the sha256 check below names it
+    if hashlib.sha256(data).hexdigest() != open(find("compiler.sha256")[0]).read().strip():
+        fail("unpack: libtvm_compiler.so does not match its sha256 (a part is missing or from "
+             "another pack): carry every part of one pack")
+    # checked before anything is written: a bad pack leaves no half-made site folder
     os.makedirs(site, exist_ok=True)
     with tarfile.open(find("site_rest.tar.xz")[0]) as tar:
         tar.extractall(site)
-    data = lzma.decompress(b"".join(open(p, "rb").read() for p in parts))
-    if hashlib.sha256(data).hexdigest() != open(find("compiler.sha256")[0]).read().strip():
-        sys.exit("unpack: libtvm_compiler.so does not match its sha256 (a part is missing or "
-                 "from another pack)")
     with open(os.path.join(site, COMPILER), "wb") as f:
         f.write(data)
     print(f"unpack: TVM in {site} ({len(parts)} parts); export PYTHONPATH={site}")

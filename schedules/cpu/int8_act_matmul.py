@@ -101,7 +101,26 @@ line left the kernel at ~27 GB/s of ~50) and 0.83-0.98x for q4_0, q8_0 and the q
 defaults (llama-110m, 2 threads, both load orders; at 1 thread q4_k 0.57x, q8_0 0.81x, q4
 0.98x). Prefetching those lines into L1 (prefetcht0, "every-line-l1") instead of L2 took
 another 0.87-0.94x (q4_k, q8_0 on llama-110m, 1 and 2 threads) and 0.97-0.98x (the q4 default
-on llama-1b), so znver5 takes that.
+on llama-1b), so znver5 takes that. On znver4 it pays for 4-bit weights only (builds made
+with each policy, llama-110m, int8 activations, scripts/ab_decode.py, 40 rounds, 2 threads,
+both load orders: every-line-l1 against first-line 0.86 / 0.87x the step time for q4_1, 0.97 /
+0.88x q4_0, 0.90 / 0.85x q4_k; 1 thread 0.85x q4_1, 0.92-0.93x q4_0, but ~1.03x q4_k; q8_0 at
+2 threads 1.02x, worse), so the zen4 row sets int8_decode_prefetch_4bit (TileRow.int8_prefetch)
+and 8-bit weights keep the first line.
+
+Further q4_k decode leads on znver4, tried and not kept (stop 30). With hot weights a q4_k group costs ~1.4x a
+q4_0 group (bench_int8_kernel.py, 1 thread, CPU time, llama-1b gate_up / down, 8-bit activations:
+47 / 46 GB/s against q4_0's 67 / 67): the code unpacking and the float terms. (1) Super-block
+accumulators: per group only acc * (sc * xs) and mn * xo summed into two tile accumulators (a
+per-call buffer of NT x 2 x 16 floats; a per-tile local one became a workspace allocation per
+tile), d and dmin applied once per super-block; LLVM then unpacked sc and mn in byte lanes. Hot
+1.17x faster (54.8 / 53.6 GB/s), but cold 2-thread calls lost (gate_up share 0.90 against 0.98)
+and whole builds stepped slower (scripts/ab_decode.py, 2 threads, both load orders: llama-110m
+q4_k int8 1.088 and 1.096x the step time, llama-1b q4 1.048x; 1 thread 1.021x). (2) Software
+prefetch of the code (lo, hi) and d / dmin lines as far ahead as the weights': llama-110m 0.930 /
+1.012x, llama-1b q4 1.000 / 0.994x (both load orders): the hardware prefetchers already follow
+these four small streams. (3) Two vpdpbusd chains per group instead of one: equal hot, so the
+chain's latency is not the bound.
 
 Without VNNI (dot "avx512bw": AVX-512 CPUs before Cascade Lake; dot "avx2": Zen 2/3, Haswell to
 the client cores): the same layout, quantization and float terms; each group's dot products

@@ -26,7 +26,10 @@ neon               aarch64 (generic, neoverse-*, apple-*)                      r
 * zen4, measured here (AMD EPYC znver4, 1 thread, scripts/bench_kernels.py, llama-110m/1b
   shapes, n=128): packed GEMM 4x3 and 7x2 at 106-111 GFLOP/s (~95% of one 512-bit FMA per
   cycle); row-major GEMV-rule prefill 3x4 80 GF/s, 2x6 74, 1x8 45; decode 1x8 at torch.sum's
-  bandwidth, 2x6 15% slower.
+  bandwidth, 2x6 15% slower. The int8-activation decode prefetches every line of a group into
+  L1 for 4-bit weights (llama-110m builds, 2 threads, scripts/ab_decode.py, both load orders:
+  q4_1 0.86x the step time, q4_0 0.88-0.97x, q4_k 0.85-0.90x; q8_0 1.02x, so 8-bit keeps the
+  first line; see int8_act_matmul.py).
 * zen5, measured on an AMD EPYC Turin (znver5, a 2-core VM; two 512-bit FMA pipes), same script
   and shapes, 1 thread, CPU time: packed GEMM 7x2 256-268 GF/s (2.2x numpy's sgemm of the run,
   ~2 FMAs per cycle), 4x3 and 3x4 alike except on the long-K down projection (K=5632: 7x2 256,
@@ -90,8 +93,15 @@ class TileRow:
     gemm_decode_streams: int = 1  # packed panels one decode row walks at once (gemm.py)
     # the int8-activation decode's prefetch with VNNI: each group's "first-line" or
     # "every-line" into L2, or "every-line-l1" (int8_act_matmul.py DECODE_PREFETCH; without
-    # VNNI always every line)
+    # VNNI always every line); for 4-bit weights int8_decode_prefetch_4bit where set
     int8_decode_prefetch: str = "first-line"
+    int8_decode_prefetch_4bit: str | None = None
+
+    def int8_prefetch(self, weight_bits: int) -> str:
+        """The int8-activation decode's prefetch for weights of `weight_bits` (4 or 8)."""
+        if weight_bits == 4 and self.int8_decode_prefetch_4bit:
+            return self.int8_decode_prefetch_4bit
+        return self.int8_decode_prefetch
 
 
 _DECODE = ((1, 8), (1, 4), (1, 2), (1, 1))
@@ -100,7 +110,7 @@ ROWS = (
     TileRow("zen4", ("znver4",), "avx512",
             gemm=((4, 3), (7, 2), (3, 4), (15, 1)),
             gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),
-            gemv_decode=_DECODE, measured=True),
+            gemv_decode=_DECODE, measured=True, int8_decode_prefetch_4bit="every-line-l1"),
     TileRow("zen5", ("znver5",), "avx512",
             gemm=((7, 2), (4, 3), (3, 4), (15, 1)),
             gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),

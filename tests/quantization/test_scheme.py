@@ -130,16 +130,18 @@ def test_int8_activation_kernels_without_vnni(cpu, isa, fmt, bits):
         assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), rows
 
 
-@pytest.mark.parametrize("cpu,prefetches", [("znver4", {("0", "2")}), ("znver5", {("c", "3")}),
-                                             ("sapphirerapids", {("0", "2")}), ("x86-64-v3", {("c", "2")})])
-def test_decode_prefetch_follows_the_cpu_row(cpu, prefetches):
+@pytest.mark.parametrize("cpu,fmt,prefetches", [
+    ("znver4", "q4_k", {("c", "3")}), ("znver4", "q8_0", {("0", "2")}),
+    ("znver5", "q4_k", {("c", "3")}), ("znver5", "q8_0", {("c", "3")}),
+    ("sapphirerapids", "q4_k", {("0", "2")}), ("x86-64-v3", "q4_k", {("c", "2")})])
+def test_decode_prefetch_follows_the_cpu_row(cpu, fmt, prefetches):
     """Batch-1 decode prefetches, PREFETCH_BYTES ahead, the first 64-byte chunk of each group
     into L2 (wp[nt, g + d, 0, 0], locality 2) with VNNI; every chunk (wp[nt, g + d, c, 0] in a
     loop over c) without VNNI (x86-64-v3), and every chunk into L1 (locality 3) where the CPU's
-    row in schedules/cpu/microarch.py says so (znver5)."""
+    row in schedules/cpu/microarch.py says so (znver5; znver4 for 4-bit weights only)."""
     import re
 
-    f = get_target("llvm", arch=cpu).quantized_matmul_kernel("q4_k", 480, 48, "float32", 16)
+    f = get_target("llvm", arch=cpu).quantized_matmul_kernel(fmt, 480, 48, "float32", 16)
     decode = set(re.findall(r'"llvm\.prefetch", T\.address_of\(wp\[nt, u \* \d+ \+ j \+ \d+, (\w+), 0\]\), '
                             r'0, (\d), 1\)', f.script()))
     assert decode == prefetches, decode

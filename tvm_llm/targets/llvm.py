@@ -173,8 +173,10 @@ class LLVMTarget(TargetSpec):
         if dot is None:
             raise UserError(f"this CPU target ({self.tvm_target()}) has no int8 dot-product instructions "
                             "(x86 with AVX2 or AVX-512): build with --activations float")
+        from ..quantization.formats import get_format
+
         return _int8_act_kernel(fmt, K, N, out_dtype, act_bits, dot,
-                                tile_row(self.tvm_target()).int8_decode_prefetch)
+                                tile_row(self.tvm_target()).int8_prefetch(get_format(fmt).bits))
 
     def cache_kernels(self, kv_mod, attn, dtype: str, page_size: int) -> dict:
         """Our CPU attention kernels for any page size (TVM's are scalar and serial), see

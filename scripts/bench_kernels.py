@@ -66,6 +66,7 @@ from tvm import relax  # noqa: E402
 
 import cpu_workloads as workloads  # noqa: E402  (tests/cpu_workloads.py)
 from schedules.cpu import common, cpu_schedule_pass  # noqa: E402
+from schedules.cpu.pipeline import cpu_tir_pipeline  # noqa: E402
 
 torch.set_num_threads(ARGS.threads)
 
@@ -124,7 +125,7 @@ def build(specs, mode, tile=None):
             mod = relax.transform.SplitLayoutRewritePreproc()(mod)
             mod = relax.transform.LiftTransformParams()(mod)
     t0 = time.perf_counter()
-    ex = tvm.compile(mod, target=target)
+    ex = tvm.compile(mod, target=target, tir_pipeline=cpu_tir_pipeline())
     print(f"  built {mode}{' ' + tile_label(tile) if tile else ''} ({len(specs)} kernels) in {time.perf_counter() - t0:.1f}s", flush=True)
     return relax.VirtualMachine(ex, tvm.cpu())
 

@@ -20,11 +20,13 @@ Why the schedule is shaped so
       broadcasts ``Mr`` scalars of A, for ``Mr*Nv`` FMAs. The tile depends on the CPU model,
       not only the ISA (:mod:`.microarch`, which says which rows were measured and which are
       reasoned): znver4 4x3 when 48 divides N, else 7x2; Intel parts with two 512-bit FMA ports
-      7x2 first (half the panel traffic from L2 per FMA); AVX2 4x3 when 24 divides N (znver3);
-      NEON 6x4. The tile is a "global"-scope buffer of < 1 KiB, which TVM puts
-      on the stack and LLVM promotes to registers; a larger tile, or a "local" one, becomes a
-      TVMBackendAllocWorkspace buffer whose stores stay in the k loop (measured 3x slower).
-      That limit caps the tile at 15 accumulators; 12-14 already run at ~95% of the FMA peak.
+      8x3 in float32 when 48 divides N, else 7x2 (bfloat16 always 7x2); AVX2 4x3 when 24
+      divides N (znver3); NEON 6x4. The tile is a "global"-scope buffer, which TVM puts on the
+      stack below 1 KiB and the build's TIR pipeline up to 2 KiB (:mod:`.pipeline`), and LLVM
+      promotes to registers; a larger tile, a "local" one, or one over 1 KiB compiled with
+      TVM's default pipeline becomes a TVMBackendAllocWorkspace buffer whose stores stay in
+      the k loop (measured 3x slower). On one 512-bit FMA per cycle 12-14 accumulators run at
+      ~95% of the peak; two per cycle (Intel) want more (8x3: 24).
     * Packed weight ``Bp[N/PN, K, PN]``: one contiguous, sequential stream per panel for the
       micro-kernel and for decode; the panel (K x PN floats, <= 720 KB for K = 5632) is reused
       from L2 for every ``Mr``-row block of A, so no K blocking is needed (K=5632 runs at the
@@ -65,14 +67,15 @@ import tvm
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from . import amx_prefill, bf16_dot, common, microarch
+from . import amx_prefill, bf16_dot, common, microarch, pipeline
 
 LAYOUT_REWRITE_ATTR = "meta_schedule.layout_rewrite_preproc"
 
 
-def packed_panel_width(target: Target, N: int, K: int, dtype: str = "float32") -> int:
+def packed_panel_width(target: Target, N: int, K: int, dtype: str = "float32",
+                       input_dtype: str | None = None) -> int:
     """PN, the number of output columns per packed panel (a multiple of the vector width)."""
-    return gemm_tile(target, N, K, dtype)[1] * common.vector_lanes(target, dtype)
+    return gemm_tile(target, N, K, dtype, input_dtype)[1] * common.vector_lanes(target, dtype)
 
 
 def uses_bf16_dot(target: Target, pat: common.MatmulPattern, pack: bool) -> bool:
@@ -88,17 +91,22 @@ def uses_bf16_dot(target: Target, pat: common.MatmulPattern, pack: bool) -> bool
             and common.has_feature(bf16_dot.FEATURE, target))
 
 
-def gemm_tile(target: Target, N: int, K: int, dtype: str = "float32"):
+def gemm_tile(target: Target, N: int, K: int, dtype: str = "float32", input_dtype: str | None = None):
     """(Mr, Nv): rows of A and SIMD vectors of C per register tile.
 
-    Candidates come from the target CPU's row of :mod:`.microarch` (best first). Accumulators
-    Mr*Nv fill most of the vector register file while the tile stays under the 1 KiB stack
-    limit; PN = Nv * lanes prefers widths that divide N (no padded panel).
+    Candidates come from the target CPU's row of :mod:`.microarch` (best first; a float32
+    matmul tries the row's `gemm_float32` tiles first). Accumulators Mr*Nv fill most of the
+    vector register file while the tile stays within the stack limit of the build's pipeline
+    (:data:`.pipeline.TILE_STACK_BYTES`); PN = Nv * lanes prefers widths that divide N (no
+    padded panel).
     """
     lanes = common.vector_lanes(target, dtype)
     elem = max(1, tvm.runtime.DataType(dtype).bits // 8)
-    cands = list(microarch.tile_row(target).gemm)
-    limit = (common.MAX_STACK_BYTES - 1) // elem
+    row = microarch.tile_row(target)
+    cands = list(row.gemm)
+    if dtype == "float32" and input_dtype in (None, "float32"):
+        cands = list(row.gemm_float32) + cands
+    limit = pipeline.TILE_STACK_BYTES // elem
     cands = [(mr, nv) for mr, nv in cands if mr * nv * lanes <= limit] or [(1, 1)]
     for mr, nv in cands:
         if N % (nv * lanes) == 0:
@@ -154,11 +162,19 @@ class GEMM(common.CPURule):
 
 def decode_streams(target: Target, pat: common.MatmulPattern, pn: int, wanted=None) -> int:
     """How many packed panels one decode row walks at once (1 outside decode): the CPU row's
-    `gemm_decode_streams` (or `wanted`), reduced until the panels divide N evenly."""
+    `gemm_decode_streams` (or `wanted`), reduced until the panels divide N evenly and the
+    groups of panels (the parallel iterations) share evenly over the cores or are many: with
+    64-wide panels a 1280-wide matrix made 5 groups of 4 for 2 threads (3 + 2)."""
     if not (pat.decode_like or pat.m_static == 1):  # a decode step, or prefill's last-token logits
         return 1
     s = wanted or microarch.tile_row(target).gemm_decode_streams
-    while s > 1 and pat.N % (s * pn):
+    cores = common.num_cores(target)
+
+    def uneven(s):
+        groups = pat.N // (s * pn)
+        return groups % cores != 0 and groups < 8 * cores
+
+    while s > 1 and (pat.N % (s * pn) or (wanted is None and uneven(s))):
         s //= 2
     return max(1, s)
 
@@ -231,7 +247,7 @@ def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, targe
                            pack: bool, tile=None, allow_bf16_dot: bool = True,
                            streams=None) -> s_tir.Schedule:
     lanes = common.vector_lanes(target, pat.dtype)
-    mr, nv = tile or gemm_tile(target, pat.N, pat.K, pat.dtype)
+    mr, nv = tile or gemm_tile(target, pat.N, pat.K, pat.dtype, pat.input_dtype)
     pn = nv * lanes  # the packed panel's width: the same in every kernel reading the weight
     main = sch.get_sblock(pat.block_name)
     dot = allow_bf16_dot and uses_bf16_dot(target, pat, pack) and pat.N % pn == 0

@@ -53,7 +53,18 @@ neon               aarch64 (generic, neoverse-*, apple-*)                      r
   at 2, where 4 panels walked side by side (gemm_decode_streams, 8 accumulators, 4 sequential
   streams in flight) streamed 12-15 and 22-25 GB/s, as fast as or faster than the row-major
   GEMV and torch (scripts/bench_kernels.py --decode-streams 1,2,4,8: 2 and 4 alike, 8 slower);
-  a whole llama-110m decode step 1.57x faster in float32 and 1.39x in bfloat16. The reasoning
+  a whole llama-110m decode step 1.57x faster in float32 and 1.39x in bfloat16. Tiles over
+  1 KiB, kept in registers since the build's TIR pipeline keeps them on the stack (pipeline.py),
+  measured on an Intel Xeon (model 167 shown as rocketlake, AMX; a 2-core VM, true FMA peak
+  ~200 GF/s a core by a C loop of 14 independent FMAs), 1 thread, n=128 (scripts/
+  bench_kernels.py --cpu-time --gemm-tiles 7x2,6x4,8x3,7x3,5x4): 8x3 the fastest on every
+  llama-110m/1b linear, 1.04-1.10x 7x2 (110m 127-136 GF/s); 6x4 1.02-1.07x on the 110m ones
+  but 0.88-0.95x 7x2 on llama-1b's 2048 x 11264 gate_up (repeated runs), so only 8x3 is taken,
+  and only where 48 divides N (a padded panel makes decode walk one panel at a time); float32
+  only (bfloat16's vdpbf16ps and AMX kernels read 32-wide panels). Whole llama-110m float32
+  build, 2 threads: prefill 0.969x the time of 7x2's (21 interleaved prefills of 128 tokens),
+  decode 0.996x (scripts/ab_decode.py); with 6x4 for the other widths prefill was 0.943x.
+  The reasoning
   the row started from: with two FMAs per cycle a 4x3 packed
   tile streams 3 panel vectors (192 B) from L2 every 6 cycles, 32 B/cycle, about what those
   L2s sustain; 7x2 needs 128 B per 7 cycles (18 B/cycle), so it comes first. For the row-major
@@ -91,6 +102,10 @@ class TileRow:
     gemv_decode: tuple  # (1, Nr)
     measured: bool
     gemm_decode_streams: int = 1  # packed panels one decode row walks at once (gemm.py)
+    # float32 GEMM tiles tried before `gemm` (which bfloat16/float16 weights keep: their
+    # vdpbf16ps and AMX kernels read 32-wide panels): tiles over 1 KiB, which only the
+    # build's TIR pipeline keeps in registers (pipeline.py)
+    gemm_float32: tuple = ()
     # the int8-activation decode's prefetch with VNNI: each group's "first-line" or
     # "every-line" into L2, or "every-line-l1" (int8_act_matmul.py DECODE_PREFETCH; without
     # VNNI always every line); for 4-bit weights int8_decode_prefetch_4bit where set
@@ -121,7 +136,8 @@ ROWS = (
              "cascadelake", "cooperlake", "skylake-avx512", "diamondrapids"), "avx512",
             gemm=((7, 2), (4, 3), (14, 1), (3, 4)),
             gemv_prefill=((4, 3), (3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),
-            gemv_decode=_DECODE, measured=True, gemm_decode_streams=4),
+            gemv_decode=_DECODE, measured=True, gemm_decode_streams=4,
+            gemm_float32=((8, 3),)),
     TileRow("avx512-other", ("*",), "avx512",  # client AVX-512 parts, unknown names
             gemm=((4, 3), (7, 2), (3, 4), (15, 1)),
             gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),

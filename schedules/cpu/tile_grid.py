@@ -18,7 +18,7 @@ def grid_schedules(mod, target, only: str | None = None) -> list:
     out, seen = [], set()
     with target:
         if GEMM().apply(func, target, False) is not None:
-            points = [("GEMM", t, GEMM(tile=t)) for t in row.gemm]
+            points = [("GEMM", t, GEMM(tile=t)) for t in dict.fromkeys(row.gemm_float32 + row.gemm)]
         elif GEMV().apply(func, target, False) is not None:
             prepared = common.prepare_matmul(func, allow_computed_b=True)
             pat = prepared[1]

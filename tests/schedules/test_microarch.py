@@ -10,6 +10,7 @@ from tvm import relax
 
 import cpu_workloads as workloads
 from schedules.cpu import common, cpu_schedule_pass, microarch
+from schedules.cpu.pipeline import cpu_tir_pipeline
 
 
 def _target(cpu):
@@ -19,14 +20,16 @@ def _target(cpu):
 
 def packed_gemm_asm(cpu, K=256, N=1536, mode="prefill"):
     """Assembly of one prefill (or decode) linear over build-time packed weight panels (N
-    divides by 48 and 32, so every tile of the table fits without a padded panel)."""
+    divides by 48 and 32, so every tile of the table fits without a padded panel), compiled
+    with the build's CPU pipeline (tiles over 1 KiB stay in registers)."""
     mod = workloads.linear_suite([dict(name="p", K=K, N=N, mode=mode, epilogue=None)])
     mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
     target = _target(cpu)
     with target:
         mod = cpu_schedule_pass()(mod)
     mod = relax.transform.SplitLayoutRewritePreproc()(mod)
-    return tvm.compile(mod, target=target).mod.imports[0].inspect_source("asm")
+    ex = tvm.compile(mod, target=target, tir_pipeline=cpu_tir_pipeline())
+    return ex.mod.imports[0].inspect_source("asm")
 
 
 def fma_stats(asm):
@@ -74,11 +77,12 @@ def test_host_features_override_a_masked_cpu_name():
                                      ("sapphirerapids", "intel-avx512-2fma"), ("haswell", "avx2")])
 def test_assembly_follows_the_table(cpu, row):
     """Per k step the micro-kernel broadcasts Mr scalars of A and issues Mr*Nv FMAs, so FMAs
-    per broadcast = Nv of the row's first tile: znver4 4x3 (3), znver5 and sapphirerapids 7x2
-    (2), haswell 4x3 (3, on ymm: AVX2 has no zmm)."""
+    per broadcast = Nv of the row's first float32 tile: znver4 4x3 (3), znver5 7x2 (2),
+    sapphirerapids 8x3 (3; 24 accumulators, 1.5 KiB), haswell 4x3 (3, on ymm: AVX2 has no
+    zmm)."""
     table = microarch.tile_row(_target(cpu))
     assert table.name == row
-    mr, nv = table.gemm[0]
+    mr, nv = (table.gemm_float32 or table.gemm)[0]
     fmas, zmm, ymm, bcasts = fma_stats(packed_gemm_asm(cpu))
     assert fmas > 0 and bcasts > 0
     assert fmas == nv * bcasts, (cpu, fmas, bcasts)
@@ -86,7 +90,7 @@ def test_assembly_follows_the_table(cpu, row):
         assert zmm == 0 and ymm == fmas
     else:
         assert zmm == fmas
-    assert (mr, nv) == {"zen4": (4, 3), "zen5": (7, 2), "intel-avx512-2fma": (7, 2),
+    assert (mr, nv) == {"zen4": (4, 3), "zen5": (7, 2), "intel-avx512-2fma": (8, 3),
                         "avx2": (4, 3)}[row]
 
 
@@ -100,7 +104,7 @@ def test_decode_walks_the_rows_panels_at_once(cpu, streams):
     znver5 (scripts/bench_kernels.py --decode-streams 1,2,4,8)."""
     table = microarch.tile_row(_target(cpu))
     assert table.gemm_decode_streams == streams
-    nv = table.gemm[0][1]
+    nv = (table.gemm_float32 or table.gemm)[0][1]
     lanes = common.vector_lanes(_target(cpu))  # floats per vector: 8 on AVX2, 16 on AVX-512
     asm = packed_gemm_asm(cpu, mode="decode")
     fmas, zmm, ymm, bcasts = fma_stats(asm)
@@ -113,3 +117,16 @@ def test_decode_walks_the_rows_panels_at_once(cpu, streams):
         offsets = {int(o) for o in re.findall(r"\bvfmadd\w*ps\s+(-?\d+)\(", asm)}
         spans = {(b - a) // panel for a in offsets for b in offsets if b - a >= panel}
         assert set(range(1, streams)) <= spans, sorted(offsets)
+
+
+def test_bfloat16_keeps_the_rows_32_wide_panels():
+    """The float32 tiles come first only for float32 inputs and where their panel divides N:
+    bfloat16 weights keep the row's `gemm` tiles, whose 32-wide panels their vdpbf16ps and
+    AMX kernels read."""
+    from schedules.cpu.gemm import gemm_tile
+
+    spr = _target("sapphirerapids")
+    assert gemm_tile(spr, 768, 768) == (8, 3)
+    assert gemm_tile(spr, 1280, 768) == (7, 2)  # 48 does not divide 1280: no padded panel
+    assert gemm_tile(spr, 768, 768, "float32", "bfloat16") == (7, 2)
+    assert gemm_tile(_target("znver4"), 768, 768) == (4, 3)

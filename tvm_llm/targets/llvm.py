@@ -118,6 +118,13 @@ class LLVMTarget(TargetSpec):
         super().__init__(arch=arch, **options)
         self.isa_arch, self.cpu = parse_arch(arch)
 
+    def tir_pipeline(self):
+        """TVM's default TIR pipeline plus register tiles of up to 2 KiB kept on the stack
+        (schedules/cpu/pipeline.py): the GEMM tiles of CPUs with two 512-bit FMA ports."""
+        from schedules.cpu.pipeline import cpu_tir_pipeline
+
+        return cpu_tir_pipeline()
+
     def make_tvm_target(self):
         import tvm
 

@@ -106,7 +106,9 @@ with each policy, llama-110m, int8 activations, scripts/ab_decode.py, 40 rounds,
 both load orders: every-line-l1 against first-line 0.86 / 0.87x the step time for q4_1, 0.97 /
 0.88x q4_0, 0.90 / 0.85x q4_k; 1 thread 0.85x q4_1, 0.92-0.93x q4_0, but ~1.03x q4_k; q8_0 at
 2 threads 1.02x, worse), so the zen4 row sets int8_decode_prefetch_4bit (TileRow.int8_prefetch)
-and 8-bit weights keep the first line.
+and 8-bit weights keep the first line. On an Intel Xeon (model 167, AMX; 2 threads, both load
+orders) every-line-l1 won for both: the q4 default 0.81-0.82x the step time on llama-110m and
+0.93-0.95x on llama-1b, q8 0.84-0.90x and 0.93-0.96x, so the Intel row takes it for all weights.
 
 Further q4_k decode leads on znver4, tried and not kept (stop 30). With hot weights a q4_k group costs ~1.4x a
 q4_0 group (bench_int8_kernel.py, 1 thread, CPU time, llama-1b gate_up / down, 8-bit activations:
@@ -246,8 +248,8 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     def decode_prefetch(wp, nt, g):
         """Decode: group g's weights PREFETCH_BYTES ahead into L2. With VNNI its first 64-byte
         line, the hardware prefetchers fetching the others (see the module docstring), or every
-        line (into L1 with "every-line-l1") where the CPU's row says so (znver5); without VNNI
-        every line of the group (see "Without VNNI")."""
+        line (into L1 with "every-line-l1") where the CPU's row says so (znver5, Intel);
+        without VNNI every line of the group (see "Without VNNI")."""
         if dot != "vnni":
             prefetch(wp, nt, g, 2)
         elif decode_prefetch != "first-line":

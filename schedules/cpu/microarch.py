@@ -64,6 +64,10 @@ neon               aarch64 (generic, neoverse-*, apple-*)                      r
   only (bfloat16's vdpbf16ps and AMX kernels read 32-wide panels). Whole llama-110m float32
   build, 2 threads: prefill 0.969x the time of 7x2's (21 interleaved prefills of 128 tokens),
   decode 0.996x (scripts/ab_decode.py); with 6x4 for the other widths prefill was 0.943x.
+  The int8-activation decode prefetches every line of a group into L1 here too, for 8-bit and
+  4-bit weights (same Xeon, 2 threads, scripts/ab_decode.py, both load orders, against the
+  first line: the q4 default 0.81-0.82x the step time on llama-110m and 0.93-0.95x on llama-1b,
+  q8 0.84-0.90x and 0.93-0.96x; 1 thread llama-110m q4 0.93x).
   The reasoning
   the row started from: with two FMAs per cycle a 4x3 packed
   tile streams 3 panel vectors (192 B) from L2 every 6 cycles, 32 B/cycle, about what those
@@ -137,7 +141,7 @@ ROWS = (
             gemm=((7, 2), (4, 3), (14, 1), (3, 4)),
             gemv_prefill=((4, 3), (3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),
             gemv_decode=_DECODE, measured=True, gemm_decode_streams=4,
-            gemm_float32=((8, 3),)),
+            gemm_float32=((8, 3),), int8_decode_prefetch="every-line-l1"),
     TileRow("avx512-other", ("*",), "avx512",  # client AVX-512 parts, unknown names
             gemm=((4, 3), (7, 2), (3, 4), (15, 1)),
             gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),

@@ -67,9 +67,8 @@ neon               aarch64 (generic, neoverse-*, apple-*)                      r
   The int8-activation decode prefetches every line of a group into L1 here too, for 8-bit and
   4-bit weights (same Xeon, 2 threads, scripts/ab_decode.py, both load orders, against the
   first line: the q4 default 0.81-0.82x the step time on llama-110m and 0.93-0.95x on llama-1b,
-  q8 0.84-0.90x and 0.93-0.96x; 1 thread llama-110m q4 0.93x).
-  The reasoning
-  the row started from: with two FMAs per cycle a 4x3 packed
+  q8 0.84-0.90x and 0.93-0.96x; 1 thread llama-110m q4 0.93x). The reasoning the row
+  started from: with two FMAs per cycle a 4x3 packed
   tile streams 3 panel vectors (192 B) from L2 every 6 cycles, 32 B/cycle, about what those
   L2s sustain; 7x2 needs 128 B per 7 cycles (18 B/cycle), so it comes first. For the row-major
   prefill the 4x3 dot-product tile (4 x rows against 3 weight rows: 7 loads per 12 FMAs,

@@ -7,7 +7,7 @@ TVMBackendAllocWorkspace call, whose pointer LLVM cannot promote to registers, s
 stores stay in the k loop (measured 3x slower). 1 KiB is 15 AVX-512 accumulators: enough for
 CPUs with one 512-bit FMA per cycle (znver4), not for those with two (Intel Xeons, znver5),
 whose best micro-kernels keep 24-28 accumulators in registers (C micro-kernels of 12x2 / 14x2 /
-8x3 AVX-512 tiles ran at 1.10-1.12x the 7x2 tile's GFLOP/s on an Intel Xeon, gemm.py).
+8x3 AVX-512 tiles ran at 1.08-1.13x the 7x2 tile's GFLOP/s on an Intel Xeon, 1 thread).
 LowerTVMBuiltin leaves an allocation annotated ``disable_lower_builtin`` alone, and LLVM's
 code generator then makes it an alloca at the function's entry; :func:`keep_tiles_on_stack`
 annotates every constant-size global allocation of at most TILE_STACK_BYTES so, after the

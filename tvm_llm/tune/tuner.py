@@ -38,9 +38,9 @@ def fast_build(mod, target, _params):
 
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
     if target.kind.name == "llvm":  # the build's CPU pipeline (register tiles over 1 KiB)
-        from schedules.cpu.pipeline import cpu_tir_pipeline
+        from ..targets import get_target
 
-        return tvm_build(mod, target=target, pipeline=cpu_tir_pipeline())
+        return tvm_build(mod, target=target, pipeline=get_target("llvm").tir_pipeline())
     return tvm_build(mod, target=target)
 
 

@@ -11,8 +11,12 @@ quantized from the same checkpoint (scripts/llamacpp_ref.py). Then bits per weig
 decode tok/s (scripts/bench.py's runners, interleaved, medians).
 
 Schemes: `fp32`, `bf16` / `fp16` (unquantized builds in that dtype), a --quantization name
-(q8, q4, or a format name), `w8a8` / `w4a8` (q8 / q4 with int8 activations), or NAME/int8; extra build options after a colon, comma-free:
-`q4:calibrate=none`, `q4:bits_per_weight=none`, `q4_k:calibrate=awq+importance`.
+(q8, q4, or a format name), `w8a8` / `w4a8` (q8 / q4 with int8 activations), or NAME/int8; extra
+build options after a colon, comma-free: `q4:calibrate=none`, `q4:bits_per_weight=5`,
+`q4_k:calibrate=awq+importance`. Every scheme is built as `tvm-llm build` builds it
+(BuildConfig.recommended): q8 and q4 without calibration options are our recipe (q4: the
+automatic mix under 4.6 stored bits per weight, calibrated; q8: AWQ), `:calibrate=none` the plain
+format.
 
 Default text: Isaac Newton's *Opticks* (Project Gutenberg), which ships with apache-tvm-ffi (a
 dependency of tvm_llm) as tvm_ffi/3rdparty/libbacktrace/Isaac.Newton-Opticks.txt: English
@@ -58,8 +62,7 @@ def parse_scheme(spec: str) -> tuple:
     for opt in filter(None, opts.split(";")):
         key, _, value = opt.partition("=")
         value = value.replace("+", ",")
-        kw[key] = None if value == "none" and key == "bits_per_weight" else (
-            float(value) if key == "bits_per_weight" else value)
+        kw[key] = float(value) if key == "bits_per_weight" else value
     return spec, kw
 
 
@@ -67,13 +70,26 @@ def build(ckpt: str, spec: str, kw: dict, rebuild: bool, window: int) -> str:
     import json
 
     import tvm_llm
+    from tvm_llm.config import BuildConfig
 
     tag = "".join(c if c.isalnum() or c in "._-" else "_" for c in spec)
     out = os.path.join(CACHE, f"{os.path.basename(os.path.abspath(ckpt))}-{tag}")
-    if rebuild or not os.path.isfile(os.path.join(out, "manifest.json")):
+    config = BuildConfig.recommended(context_window=max(512, window + 1), max_batch_size=1,
+                                     prefill_chunk_size=window, **kw)
+    # the options the cached build was made with (a build of other options is made again)
+    asked = repr({k: getattr(config, k) for k in ("quantization", "activations", "dtype",
+                                                   "calibration", "calibrate", "bits_per_weight",
+                                                   "context_window", "prefill_chunk_size")})
+    stamp = os.path.join(out, "bench_quality_options.txt")
+    cached = False
+    if os.path.isfile(stamp):
+        with open(stamp) as f:
+            cached = f.read() == asked
+    if rebuild or not cached or not os.path.isfile(os.path.join(out, "manifest.json")):
         os.makedirs(CACHE, exist_ok=True)
-        tvm_llm.build(ckpt, out, force=True, context_window=max(512, window + 1), max_batch_size=1,
-                      prefill_chunk_size=window, log=lambda *a: print("#", *a, flush=True), **kw)
+        tvm_llm.build(ckpt, out, config, force=True, log=lambda *a: print("#", *a, flush=True))
+        with open(stamp, "w") as f:
+            f.write(asked)
     with open(os.path.join(out, "manifest.json")) as f:
         json.load(f)
     return out

@@ -62,6 +62,11 @@ def test_build_cli_q4_means_the_calibrated_mix_and_the_api_q4_stays_plain():
     none = make_parser().parse_args(["build", "ck", "-o", "out", "--quantization", "q4",
                                      "--calibrate", "none"])
     assert BuildConfig.from_args(none).bits_per_weight is None
+    # the API's recommended() is the CLI's reading (scripts/bench_quality.py builds with it)
+    assert BuildConfig.recommended(quantization="q4") == BuildConfig.from_args(args)
+    assert BuildConfig.recommended(quantization="q8").calibrate == "awq"
+    assert BuildConfig.recommended(quantization="q4", calibrate="none").bits_per_weight is None
+    assert BuildConfig.recommended(quantization="q4_k").bits_per_weight is None
     # the default budget is in stored bits: 4.6 where q4_k takes 4.5 (int8 activations), the
     # same 0.1 above an all-q4_k build in the weight-only layout (q4_k stored at 6.0 bits there)
     for act, budget in (("int8", 4.6), ("float", 6.1)):

@@ -1,6 +1,7 @@
 """What a build is asked for, parsed and checked once: `BuildConfig`.
 
     config = BuildConfig.create(target="llvm", dtype="float16", quantization="q4")
+    config = BuildConfig.recommended(quantization="q4")  # q8 / q4 as `tvm-llm build` means them
     config = BuildConfig.from_args(args)          # the CLI: the same checks, argparse's names
 
 `build`, `plan`, `tune`, `verify` and `sensitivity` take one; the front half (front.py) reads
@@ -62,14 +63,22 @@ class BuildConfig:
     @classmethod
     def from_args(cls, args, **overrides) -> "BuildConfig":
         """From an argparse namespace: the options its command defines (others keep their
-        defaults). `tvm-llm build --quantization q8|q4` without calibration options means our
-        best recipe (quantization.calibration.CLI_DEFAULTS); the API's q8 / q4 stay plain."""
+        defaults). `tvm-llm build` (a command with --calibrate) reads them as `recommended`
+        does; the other commands as `create` does."""
         names = {f.name for f in fields(cls)} - _RESOLVED
         options = {n: getattr(args, n) for n in names if hasattr(args, n)}
         options.update(overrides)
+        return cls.recommended(**options) if hasattr(args, "calibrate") else cls.create(**options)
+
+    @classmethod
+    def recommended(cls, **options) -> "BuildConfig":
+        """`options` as `tvm-llm build --quantization q8|q4` means them: without calibration
+        options, our best recipe (quantization.calibration.CLI_DEFAULTS: q4 the automatic mix
+        under 4.6 stored bits, q8 AWQ-scaled); `calibrate="none"` keeps them plain, as
+        `create` (the API's plain q8 / q4) does."""
         defaulted = []
-        if hasattr(args, "calibrate") and options.get("calibrate") != "none" \
-                and options.get("calibration") is None and options.get("bits_per_weight") is None:
+        if options.get("calibrate") != "none" and options.get("calibration") is None \
+                and options.get("bits_per_weight") is None:
             from .quantization.calibration import CLI_DEFAULTS
 
             for key, value in CLI_DEFAULTS.get(options.get("quantization"), {}).items():

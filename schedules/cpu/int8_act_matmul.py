@@ -108,7 +108,10 @@ both load orders: every-line-l1 against first-line 0.86 / 0.87x the step time fo
 2 threads 1.02x, worse), so the zen4 row sets int8_decode_prefetch_4bit (TileRow.int8_prefetch)
 and 8-bit weights keep the first line. On an Intel Xeon (model 167, AMX; 2 threads, both load
 orders) every-line-l1 won for both: the q4 default 0.81-0.82x the step time on llama-110m and
-0.93-0.95x on llama-1b, q8 0.84-0.90x and 0.93-0.96x, so the Intel row takes it for all weights.
+0.93-0.95x on llama-1b, q8 0.84-0.90x and 0.93-0.96x, so the Intel row took it for all weights;
+for 4-bit weights every line into L2 ("every-line") later stepped llama-1b's q4 default in
+0.936-0.939x the time of every-line-l1 (llama-110m 1.00x; q8 no difference), so the Intel row
+now takes that for 4-bit weights (figures in microarch.py).
 
 Further q4_k decode leads on znver4, tried and not kept (stop 30). With hot weights a q4_k group costs ~1.4x a
 q4_0 group (bench_int8_kernel.py, 1 thread, CPU time, llama-1b gate_up / down, 8-bit activations:

@@ -67,7 +67,13 @@ neon               aarch64 (generic, neoverse-*, apple-*)                      r
   The int8-activation decode prefetches every line of a group into L1 here too, for 8-bit and
   4-bit weights (same Xeon, 2 threads, scripts/ab_decode.py, both load orders, against the
   first line: the q4 default 0.81-0.82x the step time on llama-110m and 0.93-0.95x on llama-1b,
-  q8 0.84-0.90x and 0.93-0.96x; 1 thread llama-110m q4 0.93x). The reasoning the row
+  q8 0.84-0.90x and 0.93-0.96x; 1 thread llama-110m q4 0.93x). For 4-bit weights every line
+  into L2 (prefetcht1) then beat L1 on llama-1b: the q4 default 0.936 / 0.939x the step time of
+  every-line-l1 (12 rounds each load order; 16 and 32 KiB ahead 0.93-0.94x, 4 KiB into L1
+  1.00x), on llama-110m 1.00x (30 rounds x 16 steps); q8 on llama-1b 0.995x, so 8-bit keeps
+  L1. Two tiles walked side by side per decode thread (two weight streams a core) ran 1.06-1.16x
+  faster in scripts/bench_int8_kernel.py --cold but stepped llama-1b q4 builds 1.03-1.04x
+  slower, so one tile stays. The reasoning the row
   started from: with two FMAs per cycle a 4x3 packed
   tile streams 3 panel vectors (192 B) from L2 every 6 cycles, 32 B/cycle, about what those
   L2s sustain; 7x2 needs 128 B per 7 cycles (18 B/cycle), so it comes first. For the row-major
@@ -140,7 +146,8 @@ ROWS = (
             gemm=((7, 2), (4, 3), (14, 1), (3, 4)),
             gemv_prefill=((4, 3), (3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),
             gemv_decode=_DECODE, measured=True, gemm_decode_streams=4,
-            gemm_float32=((8, 3),), int8_decode_prefetch="every-line-l1"),
+            gemm_float32=((8, 3),), int8_decode_prefetch="every-line-l1",
+            int8_decode_prefetch_4bit="every-line"),
     TileRow("avx512-other", ("*",), "avx512",  # client AVX-512 parts, unknown names
             gemm=((4, 3), (7, 2), (3, 4), (15, 1)),
             gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),

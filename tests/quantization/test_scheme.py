@@ -133,14 +133,16 @@ def test_int8_activation_kernels_without_vnni(cpu, isa, fmt, bits):
 @pytest.mark.parametrize("cpu,fmt,prefetches", [
     ("znver4", "q4_k", {("c", "3")}), ("znver4", "q8_0", {("0", "2")}),
     ("znver5", "q4_k", {("c", "3")}), ("znver5", "q8_0", {("c", "3")}),
-    ("sapphirerapids", "q4_k", {("c", "3")}), ("skylake-avx512", "q4_k", {("c", "2")}),
+    ("sapphirerapids", "q4_k", {("c", "2")}), ("sapphirerapids", "q8_0", {("c", "3")}),
+    ("skylake-avx512", "q4_k", {("c", "2")}),
     ("x86-64-v3", "q4_k", {("c", "2")})])
 def test_decode_prefetch_follows_the_cpu_row(cpu, fmt, prefetches):
     """Batch-1 decode prefetches, PREFETCH_BYTES ahead, the first 64-byte chunk of each group
     into L2 (wp[nt, g + d, 0, 0], locality 2) with VNNI; every chunk (wp[nt, g + d, c, 0] in a
     loop over c) without VNNI (x86-64-v3, skylake-avx512), and every chunk into L1 (locality
-    3) where the CPU's row in schedules/cpu/microarch.py says so (znver5 and Intel Xeons with
-    VNNI; znver4 for 4-bit weights only)."""
+    3) where the CPU's row in schedules/cpu/microarch.py says so (znver5; znver4 for 4-bit
+    weights only; Intel Xeons with VNNI for 8-bit weights, their 4-bit weights every chunk
+    into L2)."""
     import re
 
     f = get_target("llvm", arch=cpu).quantized_matmul_kernel(fmt, 480, 48, "float32", 16)

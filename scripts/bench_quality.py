@@ -77,9 +77,7 @@ def build(ckpt: str, spec: str, kw: dict, rebuild: bool, window: int) -> str:
     config = BuildConfig.recommended(context_window=max(512, window + 1), max_batch_size=1,
                                      prefill_chunk_size=window, **kw)
     # the options the cached build was made with (a build of other options is made again)
-    asked = repr({k: getattr(config, k) for k in ("quantization", "activations", "dtype",
-                                                   "calibration", "calibrate", "bits_per_weight",
-                                                   "context_window", "prefill_chunk_size")})
+    asked = repr(config.options())
     stamp = os.path.join(out, "bench_quality_options.txt")
     cached = False
     if os.path.isfile(stamp):

@@ -67,6 +67,8 @@ def test_build_cli_q4_means_the_calibrated_mix_and_the_api_q4_stays_plain():
     assert BuildConfig.recommended(quantization="q8").calibrate == "awq"
     assert BuildConfig.recommended(quantization="q4", calibrate="none").bits_per_weight is None
     assert BuildConfig.recommended(quantization="q4_k").bits_per_weight is None
+    recipe = BuildConfig.recommended(quantization="q4")
+    assert BuildConfig.create(**recipe.options()) == recipe  # the stamp bench_quality caches by
     # the default budget is in stored bits: 4.6 where q4_k takes 4.5 (int8 activations), the
     # same 0.1 above an all-q4_k build in the weight-only layout (q4_k stored at 6.0 bits there)
     for act, budget in (("int8", 4.6), ("float", 6.1)):

@@ -94,10 +94,15 @@ class BuildConfig:
                 config = config.with_options(bits_per_weight=budget)
         return config
 
+    def options(self) -> dict:
+        """The options as given (every field but the resolved ones), by name: what `create`
+        takes to make this configuration again."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _RESOLVED}
+
     def with_options(self, **options) -> "BuildConfig":
         """This configuration with some options changed, checked again (a new target without
         a dtype gets that target's default dtype)."""
-        given = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _RESOLVED}
+        given = self.options()
         given.update(options)
         if ("target" in options or "arch" in options) and "dtype" not in options:
             given["dtype"] = None

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Interleaved A/B of decode steps: two (or more) builds as Engines in one process.
+"""Interleaved A/B of decode steps (or prefills): two or more builds as Engines in one process.
 
 Each build gets one sequence prefilled with --context random tokens; then every round times
 --steps batch-1 decode steps of each build in turn (the order reversed every other round, so
@@ -14,7 +14,8 @@ CPU-time ratio is the steadier one.
 
 --reverse-load creates the Engines last build first (the baseline stays the first for the
 ratios): where a build's weights land in memory can matter, so run both orders. --batch B
-decodes B sequences per step (the batched kernels' path).
+decodes B sequences per step (the batched kernels' path). --prefill N times prefills of N
+tokens into a fresh sequence instead of decode steps.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--reverse-load", action="store_true", help="create the Engines in reverse order")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded per step")
+    p.add_argument("--prefill", type=int, default=0, metavar="N",
+                   help="time prefills of N random tokens (a fresh sequence each), not decode steps")
     args = p.parse_args()
 
     import numpy as np
@@ -39,14 +42,20 @@ def main():
     from tvm_llm import Engine
 
     prompt = [int(t) for t in np.random.default_rng(0).integers(10, 200, size=args.context)]
+    prefill_prompt = [int(t) for t in np.random.default_rng(1).integers(10, 200, size=args.prefill)]
     engines = [None] * len(args.outs)
     for k in (reversed(range(len(args.outs))) if args.reverse_load else range(len(args.outs))):
         eng = Engine(args.outs[k], num_threads=args.threads, max_batch_size=args.batch)
-        sids = [eng.cache.add() for _ in range(args.batch)]
+        sids = [] if args.prefill else [eng.cache.add() for _ in range(args.batch)]
         for sid in sids:
             eng.prefill([(sid, prompt)])
         for _ in range(3):  # warm-up
-            eng.decode_step(sids, [5] * args.batch)
+            if args.prefill:
+                sid = eng.cache.add()
+                eng.prefill([(sid, prefill_prompt)])
+                eng.cache.remove(sid)
+            else:
+                eng.decode_step(sids, [5] * args.batch)
         engines[k] = (eng, sids)
     wall = [[] for _ in engines]
     cpu = [[] for _ in engines]
@@ -57,6 +66,13 @@ def main():
             steps = []
             c0 = time.process_time()
             for _ in range(args.steps):
+                if args.prefill:
+                    sid = eng.cache.add()
+                    t0 = time.perf_counter()
+                    eng.prefill([(sid, prefill_prompt)])
+                    steps.append(time.perf_counter() - t0)
+                    eng.cache.remove(sid)
+                    continue
                 t0 = time.perf_counter()
                 eng.decode_step(sids, [5] * args.batch)
                 steps.append(time.perf_counter() - t0)
@@ -64,7 +80,9 @@ def main():
             wall[k].append(statistics.median(steps))
         print(f"round {r:2d}: " + "  ".join(f"{1e3 * w[-1]:7.2f} ms" for w in wall), flush=True)
     for out, w, c in zip(args.outs, wall, cpu):
-        print(f"{out}: median step {1e3 * statistics.median(w):.2f} ms = {1 / statistics.median(w):.1f} tok/s "
+        what, toks = ("prefill", args.prefill) if args.prefill else ("step", args.batch)
+        print(f"{out}: median {what} {1e3 * statistics.median(w):.2f} ms = "
+              f"{toks / statistics.median(w):.1f} tok/s "
               f"(rounds {1e3 * min(w):.2f}-{1e3 * max(w):.2f} ms), CPU {1e3 * statistics.median(c):.2f} ms/step")
     for k in range(1, len(engines)):
         rw = [b / a for a, b in zip(wall[0], wall[k])]

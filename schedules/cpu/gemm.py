@@ -20,17 +20,20 @@ Why the schedule is shaped so
       broadcasts ``Mr`` scalars of A, for ``Mr*Nv`` FMAs. The tile depends on the CPU model,
       not only the ISA (:mod:`.microarch`, which says which rows were measured and which are
       reasoned): znver4 4x3 when 48 divides N, else 7x2; Intel parts with two 512-bit FMA ports
-      8x3 in float32 when 48 divides N, else 7x2 (bfloat16 always 7x2); AVX2 4x3 when 24
-      divides N (znver3); NEON 6x4. The tile is a "global"-scope buffer, which TVM puts on the
-      stack below 1 KiB and the build's TIR pipeline up to 2 KiB (:mod:`.pipeline`), and LLVM
-      promotes to registers; a larger tile, a "local" one, or one over 1 KiB compiled with
+      8x3 in float32 when 48 divides N, else 6x4 when 64 does, else 7x2 (bfloat16 always
+      7x2); AVX2 4x3 when 24 divides N (znver3); NEON 6x4. The tile is a "global"-scope
+      buffer, which TVM puts on the stack below 1 KiB and the build's TIR pipeline up to 2 KiB
+      (:mod:`.pipeline`), and LLVM promotes to registers; a larger tile, a "local" one, or one over 1 KiB compiled with
       TVM's default pipeline becomes a TVMBackendAllocWorkspace buffer whose stores stay in
       the k loop (measured 3x slower). On one 512-bit FMA per cycle 12-14 accumulators run at
       ~95% of the peak; two per cycle (Intel) want more (8x3: 24).
     * Packed weight ``Bp[N/PN, K, PN]``: one contiguous, sequential stream per panel for the
       micro-kernel and for decode; the panel (K x PN floats, <= 720 KB for K = 5632) is reused
       from L2 for every ``Mr``-row block of A, so no K blocking is needed (K=5632 runs at the
-      same 109 GF/s/core as K=768). The packing is a separate "layout rewrite" block
+      same 109 GF/s/core as K=768). On Intel Xeons the panel's lines are also prefetched into
+      L1 2 KiB ahead of their loads (``gemm_prefetch_bytes`` of the CPU's row, inserted by
+      :func:`.pipeline.row_tile_loops`): the L1 prefetchers alone run too close behind a
+      kernel that eats a line every ~4 cycles. The packing is a separate "layout rewrite" block
       (``meta_schedule.layout_rewrite_preproc``) that ``relax.transform.SplitLayoutRewritePreproc``
       splits out and ``LiftTransformParams`` moves to build time (see :mod:`.prepack`). Packing
       on every call does not pay: n=128 K=N=2048 (1 thread) 14.6 ms packed-per-call vs 13.3 ms
@@ -302,6 +305,11 @@ def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, targe
     sch.unroll(nvl)
     sch.unroll(mri)
 
+    if s == 1 and not dot and not pat.decode_like:  # the float32 micro-kernel (pipeline.py)
+        sch.annotate(k_loop, pipeline.ROW_TILE_LOOP, True)  # a partial tile without branches
+        ahead = microarch.tile_row(target).gemm_prefetch_bytes
+        if ahead:  # the panel prefetched `ahead` bytes on
+            sch.annotate(k_loop, pipeline.PREFETCH_AHEAD, ahead)
     init = sch.decompose_reduction(main, k_loop)
     il = sch.get_loops(init)
     sch.vectorize(il[-1])

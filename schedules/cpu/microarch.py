@@ -71,7 +71,13 @@ neon               aarch64 (generic, neoverse-*, apple-*)                      r
   into L2 (prefetcht1) then beat L1 on llama-1b: the q4 default 0.936 / 0.939x the step time of
   every-line-l1 (12 rounds each load order; 16 and 32 KiB ahead 0.93-0.94x, 4 KiB into L1
   1.00x), on llama-110m 1.00x (30 rounds x 16 steps); q8 on llama-1b 0.995x, so 8-bit keeps
-  L1. Two tiles walked side by side per decode thread (two weight streams a core) ran 1.06-1.16x
+  L1. Prefill's float32 micro-kernel prefetches its panel into L1 (prefetcht0, one per line
+  the tile loads) 2 KiB ahead (gemm_prefetch_bytes; same Xeon, 2 threads, n=128 linears,
+  interleaved: llama-110m +2-11%, llama-1b +6-16%, 1-4 KiB alike, 0.5 KiB less; whole builds,
+  scripts/ab_decode.py --prefill: llama-110m 128 tokens 0.937 / 0.949x the time, both load
+  orders, llama-1b 64 tokens 0.893x); where 48 does not divide N, 6x4 before 7x2 (kernels
+  +5-10% on llama-110m qkv / gate_up and llama-1b qkv / o / gate_up; builds: 110m prefill 0.962x,
+  1b 0.963x, decode 0.995x both). Two tiles walked side by side per decode thread (two weight streams a core) ran 1.06-1.16x
   faster in scripts/bench_int8_kernel.py --cold but stepped llama-1b q4 builds 1.03-1.04x
   slower, so one tile stays. The reasoning the row
   started from: with two FMAs per cycle a 4x3 packed
@@ -120,6 +126,9 @@ class TileRow:
     # VNNI always every line); for 4-bit weights int8_decode_prefetch_4bit where set
     int8_decode_prefetch: str = "first-line"
     int8_decode_prefetch_4bit: str | None = None
+    # the float32 GEMM micro-kernel's software prefetch of its panel, bytes ahead (0: none;
+    # pipeline.row_tile_loops)
+    gemm_prefetch_bytes: int = 0
 
     def int8_prefetch(self, weight_bits: int) -> str:
         """The int8-activation decode's prefetch for weights of `weight_bits` (4 or 8)."""
@@ -146,8 +155,8 @@ ROWS = (
             gemm=((7, 2), (4, 3), (14, 1), (3, 4)),
             gemv_prefill=((4, 3), (3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),
             gemv_decode=_DECODE, measured=True, gemm_decode_streams=4,
-            gemm_float32=((8, 3),), int8_decode_prefetch="every-line-l1",
-            int8_decode_prefetch_4bit="every-line"),
+            gemm_float32=((8, 3), (6, 4)), int8_decode_prefetch="every-line-l1",
+            int8_decode_prefetch_4bit="every-line", gemm_prefetch_bytes=2048),
     TileRow("avx512-other", ("*",), "avx512",  # client AVX-512 parts, unknown names
             gemm=((4, 3), (7, 2), (3, 4), (15, 1)),
             gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),

@@ -49,3 +49,46 @@ def test_tile_over_1kib_stays_on_the_stack():
     assert "TVMBackendAllocWorkspace" not in asm_ours
     got, ref = _run(mod, ours)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_partial_row_tile_runs_without_branches():
+    """A symbolic M leaves a partial last row tile (21 rows = two 8-row tiles and 5 rows).
+    After the pipeline, neither k loop of the micro-kernel (full tiles, partial tile) holds a
+    branch: the partial tile's rows past n read x as 0 (row_tile_loops); the result is exact
+    for every row count, one row included."""
+    from tvm import tirx
+    from tvm.s_tir.pipeline import default_s_tir_pipeline
+    from tvm.tirx.compilation_pipeline import register_tir_pipeline
+
+    from schedules.cpu import pipeline
+
+    seen = []
+
+    def record(func, _mod, _ctx):
+        seen.append(func)
+        return func
+
+    def probe():
+        passes, host, device = default_s_tir_pipeline()
+        return tvm.transform.Sequential([
+            passes, pipeline.keep_tiles_on_stack(), pipeline.row_tile_loops(),
+            tirx.transform.prim_func_pass(record, opt_level=0, name="Record")]), host, device
+
+    register_tir_pipeline("tvm_llm_cpu_probe", probe)
+    mod, ex = _build("tvm_llm_cpu_probe")
+    k_loops = []
+
+    def visit(st):
+        if isinstance(st, tirx.For) and int(getattr(st.extent, "value", 0)) == 96:
+            k_loops.append([type(s).__name__ for s in getattr(st.body, "seq", [st.body])])
+        return st
+
+    for func in seen:
+        if "prepacked" in str(func.attrs.get("global_symbol", "")):
+            pipeline._rewrite(func.body, visit)
+    assert len(k_loops) == 2, k_loops  # the full tiles' loop and the partial tile's
+    for body in k_loops:
+        assert "IfThenElse" not in body and body.count("BufferStore") == 24, body
+    for m in (21, 1, 8, 5):
+        got, ref = _run(mod, ex, M=m)
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)

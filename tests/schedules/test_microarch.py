@@ -32,6 +32,13 @@ def packed_gemm_asm(cpu, K=256, N=1536, mode="prefill"):
     return ex.mod.imports[0].inspect_source("asm")
 
 
+def main_loop(asm):
+    """The basic block of `asm` with the most FMAs: the micro-kernel's k loop over full row
+    tiles (the partial tile's loop also broadcasts rows that it guards)."""
+    blocks = re.split(r"\n\.LBB\w+:", asm)
+    return max(blocks, key=lambda b: len(re.findall(r"\bvfmadd\w*ps", b)))
+
+
 def fma_stats(asm):
     fmas = re.findall(r"\bvfmadd\w*ps\s+([^\n]*)", asm)
     return (len(fmas), sum("zmm" in f for f in fmas), sum("ymm" in f for f in fmas),
@@ -83,7 +90,7 @@ def test_assembly_follows_the_table(cpu, row):
     table = microarch.tile_row(_target(cpu))
     assert table.name == row
     mr, nv = (table.gemm_float32 or table.gemm)[0]
-    fmas, zmm, ymm, bcasts = fma_stats(packed_gemm_asm(cpu))
+    fmas, zmm, ymm, bcasts = fma_stats(main_loop(packed_gemm_asm(cpu)))
     assert fmas > 0 and bcasts > 0
     assert fmas == nv * bcasts, (cpu, fmas, bcasts)
     if row == "avx2":
@@ -127,6 +134,24 @@ def test_bfloat16_keeps_the_rows_32_wide_panels():
 
     spr = _target("sapphirerapids")
     assert gemm_tile(spr, 768, 768) == (8, 3)
-    assert gemm_tile(spr, 1280, 768) == (7, 2)  # 48 does not divide 1280: no padded panel
+    assert gemm_tile(spr, 1280, 768) == (6, 4)  # 48 does not divide 1280: no padded panel
+    assert gemm_tile(spr, 1312, 768) == (7, 2)  # nor 64 (32 does)
     assert gemm_tile(spr, 768, 768, "float32", "bfloat16") == (7, 2)
     assert gemm_tile(_target("znver4"), 768, 768) == (4, 3)
+
+
+@pytest.mark.parametrize("cpu", ["sapphirerapids", "znver4"])
+def test_gemm_prefetch_follows_the_cpu_row(cpu):
+    """Where the row asks for it (Intel: 2 KiB ahead) the prefill micro-kernel prefetches into
+    L1 (prefetcht0) each panel line it loads, one per 64-byte vector of the tile, the row's
+    distance further on; elsewhere it leaves the panel to the hardware prefetchers."""
+    row = microarch.tile_row(_target(cpu))
+    asm = packed_gemm_asm(cpu)
+    hints = [(int(o or 0), r) for o, r in re.findall(r"\bprefetcht0\s+(-?\d*)\((%r\w+)\)", asm)]
+    if not row.gemm_prefetch_bytes:
+        assert "prefetch" not in asm
+        return
+    loads = {(int(o or 0), r)
+             for o, r in re.findall(r"\bvmov[au]ps\s+(-?\d*)\((%r\w+)\), %zmm", asm)}
+    assert len(hints) == row.gemm_float32[0][1], hints  # one per panel vector of the 8x3 tile
+    assert {(o - row.gemm_prefetch_bytes, r) for o, r in hints} <= loads, (hints, sorted(loads))

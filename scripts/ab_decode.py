@@ -24,6 +24,16 @@ import statistics
 import time
 
 
+def timed_prefill(eng, prompt) -> float:
+    """Seconds of one prefill of `prompt` into a fresh sequence (removed afterwards)."""
+    sid = eng.cache.add()
+    t0 = time.perf_counter()
+    eng.prefill([(sid, prompt)])
+    took = time.perf_counter() - t0
+    eng.cache.remove(sid)
+    return took
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("outs", nargs="+", help="built output directories (the first is the baseline)")
@@ -51,9 +61,7 @@ def main():
             eng.prefill([(sid, prompt)])
         for _ in range(3):  # warm-up
             if args.prefill:
-                sid = eng.cache.add()
-                eng.prefill([(sid, prefill_prompt)])
-                eng.cache.remove(sid)
+                timed_prefill(eng, prefill_prompt)
             else:
                 eng.decode_step(sids, [5] * args.batch)
         engines[k] = (eng, sids)
@@ -67,11 +75,7 @@ def main():
             c0 = time.process_time()
             for _ in range(args.steps):
                 if args.prefill:
-                    sid = eng.cache.add()
-                    t0 = time.perf_counter()
-                    eng.prefill([(sid, prefill_prompt)])
-                    steps.append(time.perf_counter() - t0)
-                    eng.cache.remove(sid)
+                    steps.append(timed_prefill(eng, prefill_prompt))
                     continue
                 t0 = time.perf_counter()
                 eng.decode_step(sids, [5] * args.batch)

@@ -23,10 +23,11 @@ Why the schedule is shaped so
       8x3 in float32 when 48 divides N, else 6x4 when 64 does, else 7x2 (bfloat16 always
       7x2); AVX2 4x3 when 24 divides N (znver3); NEON 6x4. The tile is a "global"-scope
       buffer, which TVM puts on the stack below 1 KiB and the build's TIR pipeline up to 2 KiB
-      (:mod:`.pipeline`), and LLVM promotes to registers; a larger tile, a "local" one, or one over 1 KiB compiled with
-      TVM's default pipeline becomes a TVMBackendAllocWorkspace buffer whose stores stay in
-      the k loop (measured 3x slower). On one 512-bit FMA per cycle 12-14 accumulators run at
-      ~95% of the peak; two per cycle (Intel) want more (8x3: 24).
+      (:mod:`.pipeline`), and LLVM promotes to registers; a larger tile, a "local" one, or one
+      over 1 KiB compiled with TVM's default pipeline becomes a TVMBackendAllocWorkspace
+      buffer whose stores stay in the k loop (measured 3x slower). On one 512-bit FMA per
+      cycle 12-14 accumulators run at ~95% of the peak; two per cycle (Intel) want more (8x3:
+      24).
     * Packed weight ``Bp[N/PN, K, PN]``: one contiguous, sequential stream per panel for the
       micro-kernel and for decode; the panel (K x PN floats, <= 720 KB for K = 5632) is reused
       from L2 for every ``Mr``-row block of A, so no K blocking is needed (K=5632 runs at the

@@ -77,9 +77,9 @@ neon               aarch64 (generic, neoverse-*, apple-*)                      r
   scripts/ab_decode.py --prefill: llama-110m 128 tokens 0.937 / 0.949x the time, both load
   orders, llama-1b 64 tokens 0.893x); where 48 does not divide N, 6x4 before 7x2 (kernels
   +5-10% on llama-110m qkv / gate_up and llama-1b qkv / o / gate_up; builds: 110m prefill 0.962x,
-  1b 0.963x, decode 0.995x both). Two tiles walked side by side per decode thread (two weight streams a core) ran 1.06-1.16x
-  faster in scripts/bench_int8_kernel.py --cold but stepped llama-1b q4 builds 1.03-1.04x
-  slower, so one tile stays. The reasoning the row
+  1b 0.963x, decode 0.995x both). Two tiles walked side by side per decode thread (two
+  weight streams a core) ran 1.06-1.16x faster in scripts/bench_int8_kernel.py --cold but
+  stepped llama-1b q4 builds 1.03-1.04x slower, so one tile stays. The reasoning the row
   started from: with two FMAs per cycle a 4x3 packed
   tile streams 3 panel vectors (192 B) from L2 every 6 cycles, 32 B/cycle, about what those
   L2s sustain; 7x2 needs 128 B per 7 cycles (18 B/cycle), so it comes first. For the row-major

@@ -104,10 +104,16 @@ def _on_stack(stmt, limit: int):
     return tirx.AllocBuffer(stmt.buffer, notes, stmt.span)
 
 
+def _is_vector_load(expr) -> bool:
+    """A buffer load of a vector: a Ramp as its last index."""
+    return (isinstance(expr, tvm.ir.expr.TensorLoad) and bool(expr.indices)
+            and isinstance(expr.indices[-1], tirx.Ramp))
+
+
 def _vector_loads(expr, out: list) -> list:
-    """The vector loads (a Ramp as the last index) in `expr`, in evaluation order."""
+    """The vector loads in `expr`, in evaluation order."""
     if isinstance(expr, tvm.ir.expr.TensorLoad):
-        if expr.indices and isinstance(expr.indices[-1], tirx.Ramp):
+        if _is_vector_load(expr):
             out.append(expr)
         return out
     subs = [getattr(expr, f, None) for f in ("a", "b", "value", "condition", "true_value",
@@ -121,8 +127,8 @@ def _vector_loads(expr, out: list) -> list:
 def _prefetched(stmt):
     """A loop annotated PREFETCH_AHEAD with, before each statement of its body that first
     reads a vector of another buffer than the one it writes, a prefetch (into L1) of the line
-    that many bytes further on. Only a body that is a plain sequence (the micro-kernel's main
-    loop) is changed; a predicated tail keeps its hardware prefetch."""
+    that many bytes further on. Only a body that is a plain sequence is changed: the full
+    tiles' loop, and the partial tile's once :func:`_unpredicated` has taken its branches out."""
     ahead = stmt.annotations.get(PREFETCH_AHEAD) if isinstance(stmt, tirx.For) else None
     if ahead is None or not isinstance(stmt.body, tirx.SeqStmt):
         return stmt
@@ -148,7 +154,7 @@ def _guarded(expr, cond):
     """`expr` (tile + broadcast(x) * panel terms) with each scalar load guarded by `cond`
     (0 where it is false); None for an expression of another shape."""
     if isinstance(expr, tvm.ir.expr.TensorLoad):
-        if expr.indices and isinstance(expr.indices[-1], tirx.Ramp):
+        if _is_vector_load(expr):
             return expr
         return tirx.if_then_else(cond, expr, tirx.const(0, str(expr.ty)))
     if isinstance(expr, (tirx.Add, tirx.Mul)):
@@ -181,7 +187,8 @@ def _unpredicated(stmt):
         if not (isinstance(st, tirx.IfThenElse) and st.else_case is None):
             out.append(st)
             continue
-        inner = list(st.then_case.seq) if isinstance(st.then_case, tirx.SeqStmt) else [st.then_case]
+        then = st.then_case
+        inner = list(then.seq) if isinstance(then, tirx.SeqStmt) else [then]
         new = []
         for s2 in inner:
             if isinstance(s2, tirx.BufferStore) and all(_const_index(i) for i in s2.indices):

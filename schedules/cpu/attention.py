@@ -407,7 +407,13 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
     batch 1 and 4 (150 tokens: 34.5 -> 26.7 us); hot 0.93x (the prefetch instructions);
     prefetching 2 or 4 pages ahead measured the same as 1. Whole q4 builds
     (`scripts/ab_decode.py`, 2 threads, 20 and 16 rounds): llama-110m decode step 0.89x at
-    300 cached tokens, llama-1b 0.97x at 128. Logits are bitwise those without it."""
+    300 cached tokens, llama-1b 0.97x at 128. Logits are bitwise those without it.
+
+    Inside a model step the call costs more than alone (stop 43, same CPU, llama-1b q4 build,
+    scripts/profile_decode.py): ~21 us a layer at 16 cached tokens where the kernel alone,
+    cold keys, takes 5.8 us (bench_attention.py --cold), ~38 us at 96 against 19.7; the same
+    wherever the build prefetched its weight stream with prefetchnta. Items run one after
+    another on the calling thread (no fork) made it slower still (35 us at 16 tokens)."""
     G = H_qo // H_kv
     L = _lanes(D)
     TB = min(PAGE, TB_MAX)

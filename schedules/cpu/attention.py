@@ -413,7 +413,15 @@ def _vector_decode_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
     scripts/profile_decode.py): ~21 us a layer at 16 cached tokens where the kernel alone,
     cold keys, takes 5.8 us (bench_attention.py --cold), ~38 us at 96 against 19.7; the same
     wherever the build prefetched its weight stream with prefetchnta. Items run one after
-    another on the calling thread (no fork) made it slower still (35 us at 16 tokens)."""
+    another on the calling thread (no fork) made it slower still (35 us at 16 tokens). The
+    kernel alone with a 64 MiB sweep between calls, as the weights stream between two layers,
+    1 thread: 24.3 us at 16 tokens against 6.3 with only its keys cold, 46.7 against 24.6 at 96:
+    the ~20 us are the call starting with nothing cached, not its work: with its code warmed
+    by a call on other buffers just before, 14.7 us at 16 tokens (37.7 at 96), so about half is
+    fetching the kernel's own instructions (~10 KiB) and half its query, page table and output;
+    the step's other small kernels pay the same way. Building without TVM's argument
+    asserts (PassContext "tirx.disable_assert": each kernel's FFI wrapper 4-9 KiB -> 0.1-0.3 KiB,
+    model.so 1.27 -> 0.58 MB) stepped llama-1b q4 in 1.004 / 0.985x the time: not the wrappers."""
     G = H_qo // H_kv
     L = _lanes(D)
     TB = min(PAGE, TB_MAX)

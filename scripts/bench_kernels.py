@@ -33,6 +33,11 @@ def _parse():
     p.add_argument("--prefill", type=int, default=128, help="prefill tokens n")
     p.add_argument("--batch", type=int, default=1, help="decode batch b")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--gap", type=float, default=0.2,
+                   help="seconds of sleep before each timed candidate, so that the pool timed "
+                        "before (torch's OpenMP, numpy's OpenBLAS) has stopped spinning: they "
+                        "took a core from the kernel timed next (5 ms llama-1b qkv / o prefill "
+                        "calls of our GEMM ran at one thread's speed, ~2x slower than alone)")
     p.add_argument("--no-default", action="store_true", help="skip TVM's unscheduled kernels")
     p.add_argument("--rotate-mb", type=int, default=384,
                    help="decode cycles over weight copies totalling at least this many MB")
@@ -130,17 +135,11 @@ def build(specs, mode, tile=None):
     return relax.VirtualMachine(ex, tvm.cpu())
 
 
-# idle time before each timed candidate: torch's OpenMP and numpy's OpenBLAS workers spin on
-# after their calls and took a core from the kernel timed next (measured: 5 ms llama-1b qkv / o
-# prefill calls of our GEMM ran at one thread's speed after numpy's, ~2x slower than alone)
-SETTLE_S = 0.2
-
-
 def best_of(fns: dict, rounds: int) -> dict:
     best = {k: float("inf") for k in fns}
     for _ in range(rounds):
         for k, f in fns.items():
-            time.sleep(SETTLE_S)
+            time.sleep(ARGS.gap)
             best[k] = min(best[k], f())
     return best
 

@@ -127,7 +127,7 @@ prefetch of the code (lo, hi) and d / dmin lines as far ahead as the weights': l
 these four small streams. (3) Two vpdpbusd chains per group instead of one: equal hot, so the
 chain's latency is not the bound.
 Tried and not kept at stop 43 (same CPU, llama-1b q4 builds as `tvm-llm build --quantization q4`
-makes them, scripts/ab_decode.py, 2 threads, 16-20 rounds x 8 steps, both load orders). At that
+makes them, scripts/ab_decode.py, 2 threads, 16-40 rounds x 8 steps, both load orders). At that
 point each q4_k kernel of a build streamed ~33 GB/s against a 34-35 GB/s torch-sum probe taken
 around the same run (scripts/profile_decode.py), and one thread streamed as fast as two
 (bench_int8_kernel.py --cold: gate_up 31.8 GB/s at 1 thread, 30.4 at 2), so decode is held by
@@ -140,9 +140,10 @@ super-blocks ahead, 1.22-1.32x. The four small streams are not what the kernel w
 build lays weights out in execution order, so that is the next linear's start), so that the
 bus works during the attention and norms between two linears: 0.99-1.006x, no effect.
 (6) Decode prefetch 16 KiB ahead instead of 8: 1.02 / 1.00x; every line into L2 instead of L1:
-1.12 / 1.05x; both 1.12 / 1.06x. (7) Every line with prefetchnta (locality 0), for 4-bit or for
-all weights, so that the stream would spare the caches the rest of the step runs from: 1.003 /
-1.001x over 40 rounds each order, and the attention call between two linears no faster.
+1.12 / 1.05x; both 1.12 / 1.06x. (7) Every line with prefetchnta (locality 0), so that the
+stream would spare the caches the rest of the step runs from: for all weights 1.003 / 1.001x
+over 40 rounds each order, and the attention call between two linears no faster; for 4-bit
+weights only 0.99 / 0.96x over 20 rounds, inside those rounds' 0.83-1.28 spread (not repeated).
 
 Without VNNI (dot "avx512bw": AVX-512 CPUs before Cascade Lake; dot "avx2": Zen 2/3, Haswell to
 the client cores): the same layout, quantization and float terms; each group's dot products

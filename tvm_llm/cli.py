@@ -201,11 +201,11 @@ _MAX_MEMORY_HELP = ("memory budget for the running model: a size (4GB = 4e9 byte
 
 
 def _add_quantization_args(p, default=None) -> None:
-    p.add_argument("--quantization", default=default, metavar="q8|q4|q8_0|q4_0|q4_1|q4_k",
+    p.add_argument("--quantization", default=default, metavar="q8|q4|q8_0|q4_0|q4_1|q3_k|q4_k|q5_k|q6_k",
                    help="weight format of the linear layers (and 8-bit embedding table): q8 / q4 "
                         "our best 8 / 4-bit (q8_0 / q4_k, int8 activations where the CPU has "
                         "integer dot products: x86 with AVX2 or AVX-512), or exactly one format: "
-                        "q8_0, q4_0, q4_1, q4_k (README)")
+                        "q8_0, q4_0, q4_1, q3_k, q4_k, q5_k, q6_k (README)")
     p.add_argument("--group-size", type=_positive_int, default=32,
                    help="weights per scale along the input dimension (32; every format uses 32)")
     p.add_argument("--activations", default=None, metavar="float|int8|int16",

@@ -1,5 +1,5 @@
 """Int8-activation matmul for x86 (AVX-512 VNNI, AVX-512BW, AVX2), every weight format (q8_0,
-q4_0, q4_1, q4_k).
+q4_0, q4_1, q3_k, q4_k, q5_k, q6_k).
 
 A hand-scheduled kernel (not a rule): its loop nest is the schedule. The QuantizeLinear pass
 emits it for `--activations int8` / `int16` on x86 CPUs with AVX2 or AVX-512 (VNNI where
@@ -30,6 +30,12 @@ reference's stored arrays), per 16 output rows (a tile) and group g of 32 inputs
            high nibbles = tile 2c+1; tile t byte i*4+k = row i, input 32g + 4t + k, unsigned
            (q4_0 stores q + 8, q4_1 / q4_k their q in [0, 15])
     8-bit  wp[N/16, K/32, 8, 64] uint8: tile t byte i*4+k, q + 128 (q8_0)
+    3, 5, 6-bit (q3_k, q5_k, q6_k)  wp[N/16, K/32, bits, 64] uint8: the codes' bit planes
+           (scheme.PLANES), lowest bits first; a plane of width w holds the 8 tiles in w
+           chunks, tile t in chunk t // (8 / w) at bits w * (t % (8 / w)) (5 and 6 bits: the
+           4-bit layout's 4 nibble chunks, then 1 or 2 chunks of the top bits; 3 bits: 2
+           chunks of the low 2 bits, 1 of the top bit). Unpacking a tile is a shift and a mask
+           per plane and an OR (weight_tiles); q3_k / q5_k / q6_k carry q4_k's lo, hi, d, dmin
     q8_0, q4_0: d[N/16, K/32, 16] float16; q4_1: d, m[N/16, K/32, 16] float16;
     q4_k: lo[N/16, K/32, 16] uint8 = sc & 15 | (mn & 15) << 4 per group, hi[N/16, ceil(K/64), 16]
           uint8 = the top 2 + 2 bits (sc >> 4 | (mn >> 4) << 2) of group 2p in bits 0-3 and of
@@ -41,8 +47,8 @@ give the int32 dot products of the 16 rows with row r of x, one dependency chain
 The group adds, in float,
     sym (q8_0, q4_0):  (acc - offset * xsum[r, g]) * (d * xs[r, g])
                        (the chain starts from the integer -offset * xsum: exact, no float op)
-    q4_1, q4_k:        acc * (a * xs[r, g]) + b * (xs * xsum)[r, g]
-with a, b per weight row: q4_1 a = d, b = m; q4_k a = d * sc, b = -dmin * mn (computed once per
+    q4_1, k-quants:    acc * (a * xs[r, g]) + b * (xs * xsum)[r, g]
+with a, b per weight row: q4_1 a = d, b = m; k-quants a = d * sc, b = -dmin * mn (computed once per
 tile and group, reused for every row of x), xs * xsum kept per row and block when x is
 quantized. So a row and group cost 8 vpdpbusd and 3 (sym) or 4 vector float ops.
 
@@ -150,7 +156,8 @@ the client cores): the same layout, quantization and float terms; each group's d
 come from vpmaddubsw (unsigned weight byte x signed activation byte, adjacent pairs summed to
 int16) and vpmaddwd (int16 pairs summed to int32), exact like vpdpbusd. 4-bit weights keep every
 int16 lane of a group under 2^15 (8 tiles x 2 products x 15 x 128 = 30720), so a group is 8
-vpmaddubsw, 7 int16 adds and ONE vpmaddwd per 16 rows; 8-bit weights would saturate vpmaddubsw
+vpmaddubsw, 7 int16 adds and ONE vpmaddwd per 16 rows (3-bit codes the same; 5-bit codes one
+vpmaddwd per 4 tiles, 6-bit per 2: 2 x 63 x 128 x 2 = 32256); 8-bit weights would saturate vpmaddubsw
 (255 x 127 x 2 > 2^15) and are split into nibbles (two such sums, the high one shifted left by 4
 after widening): twice the instructions per weight of 4-bit, as the bytes are twice. AVX2 runs a
 64-byte tile as two 32-byte halves (rows 0-7, 8-15). Decode without VNNI prefetches every line
@@ -211,7 +218,9 @@ DECODE_PREFETCH = ("first-line", "every-line", "every-line-l1")
 
 def chunks_per_group(fmt) -> int:
     """64-byte chunks of packed weights per group of 32 and tile of 16 rows (wp's third dim)."""
-    return 4 if fmt.bits == 4 else 8
+    from tvm_llm.quantization.scheme import vnni_chunks
+
+    return vnni_chunks(fmt.bits)
 
 
 def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
@@ -225,6 +234,7 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     dot: the instructions of the group dot products, one of DOT_ISAS (see "Without VNNI").
     decode_prefetch: one of DECODE_PREFETCH, what decode prefetches of each group with VNNI."""
     from tvm_llm.quantization.formats import ACTIVATION_QMAX, super_groups
+    from tvm_llm.quantization.scheme import PLANES
 
     if act_bits not in ACTIVATION_QMAX:
         raise ValueError(f"int8-activation matmul takes 8 or 16-bit activations, not {act_bits}")
@@ -251,7 +261,11 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     f16 = "float16"
     xo_dtype = "int32" if kind == "sym" else "float32"
     pf_groups = PREFETCH_BYTES // (C * 64)
-    split8 = dot != "vnni" and not four  # 8-bit weights without VNNI: dot products per nibble
+    nibble_planes = fmt.bits < 8  # codes of 3-6 bits in bit planes (scheme.PLANES)
+    split8 = dot != "vnni" and not nibble_planes  # 8-bit weights without VNNI: dot products per nibble
+    # without VNNI: tiles whose vpmaddubsw int16 pairs can be added before widening (a pair is
+    # <= 2 x code max x 128: 8 tiles for 3 and 4-bit codes, 4 for 5-bit, 2 for 6-bit)
+    widen_every = min(8, 32767 // (2 * ((1 << fmt.bits) - 1) * 128)) if nibble_planes else 8
     wide = act_bits == 16
     QMAX = ACTIVATION_QMAX[act_bits]  # |q| bound of an activation block (16-bit: q = hi * 256 + lo)
 
@@ -279,27 +293,62 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
             T.evaluate(prefetch_l2(T.address_of(wp[nt, g + pf_groups, 0, 0])))
 
     def low_nibbles(v):  # uint8x64: each byte's bits 0-3
-        return T.bitwise_and(v, T.Broadcast(T.uint8(15), 64))
+        return field(v, 0, 4, 0)
 
     def high_nibbles(v):  # uint8x64: each byte's bits 4-7
-        return T.shift_right(v, T.Broadcast(T.uint8(4), 64))
+        return field(v, 4, 4, 0)
+
+    def field(v, pos, w, to):
+        """uint8x64: the w-bit field at bit `pos` of each byte of v, moved to bit `to` (no mask
+        for a byte's top field moved to bit 0: the right shift clears every other bit)."""
+        def u8(b):
+            return T.Broadcast(T.uint8(b), 64)
+
+        d = pos - to
+        moved = v if d == 0 else (T.shift_right(v, u8(d)) if d > 0 else T.shift_left(v, u8(-d)))
+        if to == 0 and pos + w == 8:
+            return moved
+        return T.bitwise_and(moved, u8(((1 << w) - 1) << to))
+
+    def weight_tiles(wp, nt, g):
+        """The group's 8 VNNI tiles of 16 rows as unsigned byte vectors, one expression each,
+        from its bit planes (scheme.PLANES: 4-bit codes are a chunk's low and high nibbles,
+        3, 5 and 6-bit codes OR two planes); 8-bit weights without VNNI: their 8 low-nibble
+        tiles, then their 8 high-nibble tiles. A chunk's load is one expression shared by its
+        tiles (LLVM merges the identical loads)."""
+        chunks = [wp[nt, g, c, T.Ramp(0, 1, 64)] for c in range(C)]
+        if not nibble_planes:
+            return [low_nibbles(t) for t in chunks] + [high_nibbles(t) for t in chunks] if split8 else chunks
+        tiles = [None] * 8
+        c0 = shift = 0
+        for w in PLANES[fmt.bits]:
+            per = 8 // w
+            for t in range(8):
+                part = field(chunks[c0 + t // per], w * (t % per), w, shift)
+                tiles[t] = part if tiles[t] is None else T.bitwise_or(tiles[t], part)
+            c0, shift = c0 + w, shift + w
+        return tiles
+
+    @T.macro
+    def store8(tiles, ts, b):
+        """tiles[b + i] = ts[b + i] for the 8 tile expressions from b (a Python list's items,
+        so one statement each)."""
+        tiles[b] = ts[b]
+        tiles[b + 1] = ts[b + 1]
+        tiles[b + 2] = ts[b + 2]
+        tiles[b + 3] = ts[b + 3]
+        tiles[b + 4] = ts[b + 4]
+        tiles[b + 5] = ts[b + 5]
+        tiles[b + 6] = ts[b + 6]
+        tiles[b + 7] = ts[b + 7]
 
     @T.macro
     def unpack(tiles, wp, nt, g):
-        """The group's 8 VNNI tiles of 16 rows (unsigned bytes); 8-bit weights without VNNI:
-        their 8 low-nibble tiles, then their 8 high-nibble tiles (split once for every row)."""
-        if four:
-            for c in T.unroll(C):
-                packed = wp[nt, g, c, T.Ramp(0, 1, 64)]
-                tiles[2 * c] = low_nibbles(packed)
-                tiles[2 * c + 1] = high_nibbles(packed)
-        elif split8:
-            for c in T.unroll(C):
-                tiles[c] = low_nibbles(wp[nt, g, c, T.Ramp(0, 1, 64)])
-                tiles[C + c] = high_nibbles(wp[nt, g, c, T.Ramp(0, 1, 64)])
-        else:
-            for c in T.unroll(C):
-                tiles[c] = wp[nt, g, c, T.Ramp(0, 1, 64)]
+        """The group's tiles (weight_tiles) into `tiles`, unpacked once for every row of x."""
+        ts = T.meta_var(weight_tiles(wp, nt, g))
+        store8(tiles, ts, 0)
+        if split8:
+            store8(tiles, ts, 8)
 
     def kquant_code(p0, p1, nt, g, which):
         """q4_k's 6-bit sc (which = 0) or mn (1) of the tile's 16 rows for group g, as
@@ -352,31 +401,36 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
         pairs are added first and widened once; 8-bit weights come as 16 nibble tiles (low
         nibbles, then high: unpack, group_sum), the high sum shifted left by 4 after widening.
         AVX2 runs each 64-byte tile as two 32-byte halves (rows 0-7, rows 8-15)."""
-        def half_sum(ts, half):  # int32x8 of rows 8 * half ... 8 * half + 7 (AVX2)
+        def half_sum(ts, half, first):  # int32x8 of rows 8 * half ... 8 * half + 7 (AVX2)
             acc = None
             for t, tile in enumerate(ts):
                 w = T.Shuffle([tile], [T.int32(half * 32 + i) for i in range(32)])
                 p = T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", w,
-                                            T.reinterpret("int8x32", T.Broadcast(a4[t], 8)))
+                                            T.reinterpret("int8x32", T.Broadcast(a4[first + t], 8)))
                 acc = p if acc is None else acc + p
             return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", acc,
                                            T.Broadcast(T.int16(1), 16))
 
-        def widened(ts):  # int32x16: the 16 rows' dot products over the 8 tiles `ts`
+        def widened(ts, first=0):  # int32x16: the 16 rows' dot products over tiles `ts` (from tile `first`)
             if dot == "avx2":
-                return T.Shuffle([half_sum(ts, 0), half_sum(ts, 1)], [T.int32(i) for i in range(TILE_N)])
+                return T.Shuffle([half_sum(ts, 0, first), half_sum(ts, 1, first)],
+                                 [T.int32(i) for i in range(TILE_N)])
             acc = None
             for t, tile in enumerate(ts):
                 p = T.call_llvm_pure_intrin("int16x32", "llvm.x86.avx512.pmaddubs.w.512", tile,
-                                            T.reinterpret("int8x64", T.Broadcast(a4[t], TILE_N)))
+                                            T.reinterpret("int8x64", T.Broadcast(a4[first + t], TILE_N)))
                 acc = p if acc is None else acc + p
             return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.pmaddw.d.512", acc,
                                            T.Broadcast(T.int16(1), 32))
 
         tiles = [tiles[t] for t in range(16 if split8 else 8)]
-        if not split8:
-            return widened(tiles)
-        return widened(tiles[:8]) + T.shift_left(widened(tiles[8:]), T.Broadcast(T.int32(4), TILE_N))
+        if split8:
+            return widened(tiles[:8]) + T.shift_left(widened(tiles[8:]), T.Broadcast(T.int32(4), TILE_N))
+        acc = None
+        for first in range(0, 8, widen_every):
+            part = widened(tiles[first:first + widen_every], first)
+            acc = part if acc is None else acc + part
+        return acc
 
     def dot_chain(init, tiles, xq, r, g):
         """8-bit: one chain over xq[0]. 16-bit: q = hi * 256 + lo, so the dot product is
@@ -396,15 +450,7 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
         identical loads). q4_k (U = S, so u is the super-block):
             d * (acc_g * (sc_g * xs_g))  -  dmin * (mn_g * (xs * xsum)_g)."""
         g = u * U + j
-        if four:
-            tiles = []
-            for c in range(C):
-                packed = wp[nt, g, c, T.Ramp(0, 1, 64)]
-                tiles += [low_nibbles(packed), high_nibbles(packed)]
-        else:
-            tiles = [wp[nt, g, c, T.Ramp(0, 1, 64)] for c in range(C)]
-            if split8:  # the low-nibble tiles, then the high-nibble tiles
-                tiles = [low_nibbles(t) for t in tiles] + [high_nibbles(t) for t in tiles]
+        tiles = weight_tiles(wp, nt, g)
         init = T.Broadcast(xo[0, g], TILE_N) if kind == "sym" else T.Broadcast(T.int32(0), TILE_N)
         acc = T.Cast("float32x16", dot_chain(init, tiles, xq, 0, g))
         if kind == "kquant":

@@ -134,8 +134,9 @@ class TileRow:
     gemm_prefetch_bytes: int = 0
 
     def int8_prefetch(self, weight_bits: int) -> str:
-        """The int8-activation decode's prefetch for weights of `weight_bits` (4 or 8)."""
-        if weight_bits == 4 and self.int8_decode_prefetch_4bit:
+        """The int8-activation decode's prefetch for weights of `weight_bits` (3-6: the
+        4-bit choice, for codes in bit planes; 8)."""
+        if weight_bits < 8 and self.int8_decode_prefetch_4bit:
             return self.int8_decode_prefetch_4bit
         return self.int8_decode_prefetch
 

@@ -20,7 +20,7 @@ def _weights(N=24, K=576, seed=0):
     return w
 
 
-REL_ERR = {"q8_0": 0.008, "q4_0": 0.09, "q4_1": 0.08, "q4_k": 0.08}
+REL_ERR = {"q8_0": 0.008, "q4_0": 0.09, "q4_1": 0.08, "q3_k": 0.16, "q4_k": 0.08, "q5_k": 0.04, "q6_k": 0.025}
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -44,7 +44,9 @@ def test_round_trip_bounds_and_layout(name):
     else:
         step = st["d"].astype(np.float32)
     step = np.abs(np.repeat(step, 32, axis=1))
-    tol = 3.0 if f.kind == "kquant" else 1.5
+    # (5 and 6-bit codes: the 6-bit minimum of a group beside the outlier group is off by up
+    # to half its super-block's coarse minimum step, ~3 of these finer code steps)
+    tol = (3.0 if f.bits <= 4 else 4.0) if f.kind == "kquant" else 1.5
     assert np.all(np.delete(err <= step * tol + 1e-7, 6, axis=0))
     assert np.all(deq[5, :32] == 0)  # zero group stays exactly zero
     np.testing.assert_allclose(deq[6, 64:96], 0.02, rtol=0.02)
@@ -58,6 +60,7 @@ def test_bits_per_weight():
     assert FORMATS["q4_0"].bits_per_weight() == 4.5
     assert FORMATS["q4_1"].bits_per_weight() == 5.0
     assert FORMATS["q4_k"].bits_per_weight() == 4.5
+    assert [FORMATS[f].bits_per_weight() for f in ("q3_k", "q5_k", "q6_k")] == [3.5, 5.5, 6.5]
     assert super_groups(576) == 6 and FORMATS["q4_k"].bits_per_weight(576) > 4.5
     assert not FORMATS["q4_0"].applies_to(8, 48) and FORMATS["q4_0"].applies_to(8, 64)
 

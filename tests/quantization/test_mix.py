@@ -41,6 +41,21 @@ def test_body_count_leaves_the_head_out_of_the_budget():
         sum(u.size * format_bits(choice[u.label]) for u in body) / sum(u.size for u in body))
 
 
+def test_in_between_formats_let_a_large_unit_rise_where_8_bits_do_not_fit():
+    """With the 5 and 6-bit k-quants among the candidates, a unit too large to afford q8_0
+    within the budget (the LM head: 2 bits on its 131k weights) still rises to q5_k / q6_k;
+    candidates whose error does not fall with their bits are skipped (not on the hull)."""
+    units = [mix.Unit((f"{n}.weight",), shape, {"q4_k": e, "q5_k": e / 4, "q6_k": e / 16, "q8_0": e / 256})
+             for n, shape, e in [("a", (64, 256), 1.0), ("b", (64, 256), 1.0), ("lm_head", (512, 256), 30.0)]]
+    steps = ["q4_k", "q5_k", "q6_k", "q8_0"]
+    assert mix.choose(units, ["q4_k", "q8_0"], 5.6)["lm_head"] == "q4_k"
+    choice = mix.choose(units, steps, 5.6)
+    assert choice["lm_head"] == "q5_k" and mix.average_bits(units, choice) <= 5.6 + 1e-9
+    assert mix.choose(units, steps, 6.4)["lm_head"] == "q6_k"
+    units[0].errors["q5_k"] = 2.0  # worse than its q4_k: never chosen
+    assert "q5_k" not in [mix.choose(units, steps, b)["a"] for b in (4.6, 5.0, 5.6, 6.0, 7.0)]
+
+
 @pytest.fixture(scope="module")
 def calibrated():
     """The bundled trained model, its tied head untied (the build quantizes a copy), and a

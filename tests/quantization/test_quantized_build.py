@@ -16,14 +16,14 @@ from tvm_llm.quantization.scheme import parse_scheme
 
 PROMPT = [int(t) for t in np.random.default_rng(5).integers(3, VOCAB, size=13)]
 L0, L1 = "model.layers.0.", "model.layers.1."
-# one build covers every format: layer 0's linears in four formats, layer 1's attention kept
-# float by --keep-float and its down_proj by the plan, the LM head at 8 bits
+# one build covers every format: layer 0's linears in four formats, layer 1's q|k|v in q5_k,
+# its o_proj kept float by --keep-float and its down_proj by the plan, the LM head in q6_k
 MIX = QuantPlan("q4_k", formats={
     L0 + "self_attn.q_proj.weight": "q4_1", L0 + "self_attn.k_proj.weight": "q4_0",
     L0 + "self_attn.o_proj.weight": "q8_0", L0 + "mlp.gate_proj.weight": "q4_0", L0 + "mlp.up_proj.weight": "q4_0",
-    L0 + "mlp.down_proj.weight": "q4_0", L1 + "mlp.down_proj.weight": "float",
-    "lm_head.weight": "q8_0"})
-MIX_KEEP = "*layers.1.self_attn*"
+    L0 + "mlp.down_proj.weight": "q3_k", L1 + "self_attn.q_proj.weight": "q5_k",
+    L1 + "mlp.down_proj.weight": "float", "lm_head.weight": "q6_k"})
+MIX_KEEP = "*layers.1.self_attn.o_proj*"
 
 
 @pytest.fixture(scope="module")
@@ -86,13 +86,15 @@ def test_mixed_weight_only_build_equals_fake_quantized_transformers(qbuild, chec
     fmts = {k: v["format"] for k, v in q["quantized"].items()}
     assert fmts[",".join(L0 + f"self_attn.{p}_proj.weight" for p in "kqv")] == "q4_1"  # most bits
     assert fmts[L0 + "mlp.gate_proj.weight," + L0 + "mlp.up_proj.weight"] == "q4_0"
-    assert fmts["lm_head.weight"] == "q8_0" and fmts[L1 + "mlp.gate_proj.weight," + L1 + "mlp.up_proj.weight"] == "q4_k"
-    assert set(q["kept_float"]) == {L1 + "mlp.down_proj.weight", L1 + "self_attn.o_proj.weight",
-                                    ",".join(L1 + f"self_attn.{p}_proj.weight" for p in "kqv")}
+    assert fmts["lm_head.weight"] == "q6_k" and fmts[L1 + "mlp.gate_proj.weight," + L1 + "mlp.up_proj.weight"] == "q4_k"
+    assert fmts[",".join(L1 + f"self_attn.{p}_proj.weight" for p in "kqv")] == "q5_k"
+    assert fmts[L0 + "mlp.down_proj.weight"] == "q3_k"
+    assert set(q["kept_float"]) == {L1 + "mlp.down_proj.weight", L1 + "self_attn.o_proj.weight"}
     # the untied embedding table is stored 8-bit (q8_0) and dequantized by the lookup
     assert fmts["model.embed_tokens.weight"] == "q8_0"
     assert q["quantized"]["model.embed_tokens.weight"]["activations"] == "lookup"
-    assert q["format_counts"] == {"q4_1": 1, "q8_0": 3, "q4_0": 2, "q4_k": 1, "float": 3}
+    assert q["format_counts"] == {"q4_1": 1, "q8_0": 2, "q4_0": 1, "q3_k": 1, "q5_k": 1, "q4_k": 1,
+                                  "q6_k": 1, "float": 2}
     assert 4.5 < q["bits_per_weight"] < 32
     pre, step, _ = _logits(out)
     ref = _reference(_untied_model(checkpoint), q["quantized"])
@@ -211,12 +213,16 @@ def test_generation_runs_and_perplexity_equals_the_simulation(qbuild, checkpoint
 
 def test_quantized_cuda_cross_build(checkpoint, tmp_path):
     """GPU targets take the weight-only schemes through TVM's dlight GPU rules (dequantize
-    inlined into the GEMV); the build cross-compiles here (no GPU to run it)."""
+    inlined into the GEMV); the build cross-compiles here (no GPU to run it), every format of
+    the mixed plan included."""
     import tvm_llm
 
     m = tvm_llm.build(checkpoint("llama"), str(tmp_path / "cuda_q4"), target="cuda", arch="sm_90",
-                      quantization="q4", log=lambda *a: None)
-    assert m["quantization"]["tag"] == "q4_k" and len(m["quantization"]["quantized"]) == 10
+                      quantization="q4", quant_plan=MIX, log=lambda *a: None)
+    q = m["quantization"]
+    assert q["tag"] == "q4_k" and len(q["quantized"]) == 9 and len(q["kept_float"]) == 1
+    assert {v["format"] for v in q["quantized"].values()} == {"q4_1", "q8_0", "q4_0", "q3_k", "q5_k",
+                                                              "q4_k", "q6_k"}
     assert any(p["dtype"] == "uint8" for p in m["params"])
 
 

@@ -60,8 +60,12 @@ def _scheduled_matmul(K, N, fmt, layout, x_shape, target=None, kernels_out=None,
     return relax.VirtualMachine(ex, tvm.cpu())
 
 
-# (format, layout, activation bits of the vnni kernel)
-CASES = [(f, "rows", 0) for f in sorted(FORMATS)] + [(f, "vnni", b) for f in sorted(FORMATS) for b in (8, 16)]
+# (format, layout, activation bits of the vnni kernel); the k-quants of 3, 5 and 6 bits share
+# q4_k's arithmetic and differ in their bit planes: each at 8 bits, q6_k in "rows" and at 16
+KQ_STEPS = ("q3_k", "q5_k", "q6_k")
+CORE = sorted(f for f in FORMATS if f not in KQ_STEPS)
+CASES = [(f, "rows", 0) for f in CORE + ["q6_k"]] + [(f, "vnni", b) for f in CORE for b in (8, 16)] \
+    + [(f, "vnni", 8) for f in KQ_STEPS] + [("q6_k", "vnni", 16)]
 
 
 @pytest.mark.parametrize("fmt,layout,bits", CASES, ids=[f"{f}-{lay}{b or ''}" for f, lay, b in CASES])
@@ -94,8 +98,10 @@ def test_scheduled_quantized_matmul_matches_reference(fmt, layout, bits):
 
 # (LLVM CPU, its int8 dot-product instructions, format, activation bits): AVX2 every format at
 # both widths, AVX-512 without VNNI the 8-bit (nibble-split) and the k-quant format
-NO_VNNI_CASES = [("x86-64-v3", "avx2", f, b) for f in sorted(FORMATS) for b in (8, 16)] + \
-    [("skylake-avx512", "avx512bw", f, 8) for f in ("q8_0", "q4_k")]
+# (q5_k and q6_k: their int16 pairs widened every 4 and 2 tiles, not every 8)
+NO_VNNI_CASES = [("x86-64-v3", "avx2", f, b) for f in CORE for b in (8, 16)] + \
+    [("x86-64-v3", "avx2", "q6_k", 16), ("x86-64-v3", "avx2", "q5_k", 8)] + \
+    [("skylake-avx512", "avx512bw", f, 8) for f in ("q8_0", "q4_k", "q6_k")]
 
 
 @pytest.mark.parametrize("cpu,isa,fmt,bits", NO_VNNI_CASES, ids=[f"{i}-{f}-{b}" for _, i, f, b in NO_VNNI_CASES])

@@ -10,6 +10,10 @@ Every format quantizes a weight (N, K) along K (the reduction axis) in groups of
                                                                 w = d * sc * q - dmin * mn  (4.5 bits)
           (a K that is not a multiple of 256 uses the largest super-block of <= 8 groups that
           divides it, e.g. 6 groups for K = 576, 4.54 bits)
+    q3_k  q4_k's layout with 3-bit q in [0, 7]                                       (3.5 bits)
+    q5_k  q4_k's layout with 5-bit q in [0, 31]                                      (5.5 bits)
+    q6_k  q4_k's layout with 6-bit q in [0, 63]                                      (6.5 bits)
+          (steps for the automatic mix, quantization/mix.py, around q4_k)
 
 `quantize(w, importance)` chooses each group's scale (and minimum) by a small search that
 minimizes the importance-weighted squared rounding error sum_k imp[k] (w[n, k] - w_q[n, k])^2,
@@ -454,6 +458,9 @@ FORMATS: dict = {f.name: f for f in (
     WeightFormat("q4_1", "asym", 4, "4-bit, float16 scale and minimum per 32 (5.0 bits/weight)"),
     WeightFormat("q4_k", "kquant", 4, "4-bit, 6-bit scale and minimum per 32, float16 super-scales "
                                       "per 256 (4.5 bits/weight)"),
+    WeightFormat("q3_k", "kquant", 3, "3-bit, q4_k's scales and minimums (3.5 bits/weight)"),
+    WeightFormat("q5_k", "kquant", 5, "5-bit, q4_k's scales and minimums (5.5 bits/weight)"),
+    WeightFormat("q6_k", "kquant", 6, "6-bit, q4_k's scales and minimums (6.5 bits/weight)"),
 )}
 
 

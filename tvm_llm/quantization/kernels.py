@@ -18,7 +18,7 @@ import numpy as np
 from tvm import te, tirx
 
 from .formats import GROUP, WeightFormat, get_format
-from .scheme import pack, packed_shapes
+from .scheme import bytes_rows, pack, packed_shapes
 
 QUANTIZE_FUNC = "tvm_llm.quantize_weight"
 _EMITTED: dict = {}  # key -> (format name, K, (K,) importance or None), set by the pass
@@ -91,6 +91,12 @@ def _rows_value(stored: list, fmt: WeightFormat, dtype: str):
             up = tirx.Select(k % GROUP < 16, tirx.const(28, "int32"), tirx.const(24, "int32"))
             nib = (byte << up) >> tirx.const(28, "int32")
             return nib.astype(dtype) * scale[n, k // GROUP].astype(dtype)
+    elif bytes_rows(fmt):  # q3_k / q5_k / q6_k: a byte per code
+        offset = stored[2]
+
+        def value(n, k):
+            return wq[n, k].astype(dtype) * scale[n, k // GROUP].astype(dtype) \
+                + offset[n, k // GROUP].astype(dtype)
     else:
         offset = stored[2]
 

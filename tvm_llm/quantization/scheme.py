@@ -2,7 +2,8 @@
 the kernel layouts the stored arrays of a weight format are packed into.
 
 Names (`--quantization`):
-    q8_0, q4_0, q4_1, q4_k  exactly that weight format for every linear (quantization/formats.py)
+    q8_0, q4_0, q4_1, q3_k, q4_k, q5_k, q6_k
+                            exactly that weight format for every linear (quantization/formats.py)
     q8                      our best 8-bit: q8_0
     q4                      our best 4-bit: q4_k (the automatic mix, when one is supplied as a
                             QuantPlan, puts sensitive weights at 8 bits)
@@ -19,13 +20,17 @@ elsewhere all are float.
 Kernel layouts (`pack`), packed from the canonical stored arrays of formats.WeightFormat.quantize:
     "rows"  weight-only (dequantize inlined into the GEMV/GEMM schedules): q8_0 q int8 (N, K);
             4-bit nibbles (N, K/32, 16) uint8 (byte j = element j low, element j + 16 high;
-            q4_0 two's complement, q4_1/q4_k unsigned); float32 group scale (N, K/32) and, for
-            q4_1/q4_k, float32 group offset (w = q * scale + offset). The group scale and offset
-            of q4_k are its d * sc and -dmin * mn, exact in float32.
+            q4_0 two's complement, q4_1/q4_k unsigned); q3_k / q5_k / q6_k q uint8 (N, K);
+            float32 group scale (N, K/32) and, for q4_1 and the k-quants, float32 group offset
+            (w = q * scale + offset). The group scale and offset of a k-quant are its d * sc
+            and -dmin * mn, exact in float32.
     "vnni"  int8 / int16 activations: see schedules/cpu/int8_act_matmul.py. Group scales and offsets
             stay float16 (q4_k: its 6-bit sc and mn packed at 12 bits per group, pack_kquant_codes,
             and float16 d, dmin per super-block), so this layout stores the formats' nominal bits
             (q4_k 4.5 for K a multiple of 256); "rows" stores q4_k at 6.0 (stored_bits).
+            Codes of other widths than 4 and 8 are split into bit planes (PLANES: q3_k a 2-bit
+            and a 1-bit plane, q5_k / q6_k the nibble plane and a 1 / 2-bit plane), each plane
+            of width w holding a group's 8 tiles in w 64-byte chunks (vnni_chunks).
 """
 from __future__ import annotations
 
@@ -136,7 +141,14 @@ def pack_rows(fmt: WeightFormat, st: dict) -> list:
     if fmt.kind == "asym":
         return [_nibbles_rows(q), st["d"].astype(np.float32), st["m"].astype(np.float32)]
     scale, minimum = kquant_group_params(st)
-    return [_nibbles_rows(q), scale.reshape(N, NG), (-minimum).reshape(N, NG)]
+    codes = q.astype(np.uint8) if bytes_rows(fmt) else _nibbles_rows(q)
+    return [codes, scale.reshape(N, NG), (-minimum).reshape(N, NG)]
+
+
+def bytes_rows(fmt: WeightFormat) -> bool:
+    """Whether the "rows" layout stores one byte per code: 8-bit formats and the k-quants
+    whose codes are not 4-bit (q3_k, q5_k, q6_k); 4-bit codes are stored as nibbles."""
+    return fmt.bits != 4
 
 
 def _nibbles_rows(q: np.ndarray) -> np.ndarray:
@@ -155,9 +167,7 @@ def pack_vnni(fmt: WeightFormat, st: dict) -> list:
     else:
         u = q.astype(np.uint8)
     tiles = u.reshape(NT, TILE_N, NG, 8, 4).transpose(0, 2, 3, 1, 4).reshape(NT, NG, 8, 64)
-    if fmt.bits == 4:
-        tiles = tiles[:, :, 0::2, :] | (tiles[:, :, 1::2, :] << 4)
-    out = [np.ascontiguousarray(tiles.astype(np.uint8))]
+    out = [np.ascontiguousarray(pack_planes(tiles, fmt.bits))]
 
     def per_tile(a):  # (N, G) -> (N/16, G, 16)
         return np.ascontiguousarray(a.reshape(NT, TILE_N, a.shape[1]).transpose(0, 2, 1))
@@ -167,6 +177,52 @@ def pack_vnni(fmt: WeightFormat, st: dict) -> list:
         return out + [per_tile(lo), per_tile(hi), per_tile(st["d"]), per_tile(st["dmin"])]
     keys = {"sym": ["d"], "asym": ["d", "m"]}[fmt.kind]
     return out + [per_tile(st[k]) for k in keys]
+
+
+# bit planes of the "vnni" layout per code width, lowest bits first: a plane of width w packs
+# the group's 8 tiles into w chunks of 64 bytes, 8 / w tiles per chunk (tile t in chunk t // (8 / w)
+# at bits w * (t % (8 / w))). 8-bit codes are the tiles themselves.
+PLANES = {3: (2, 1), 4: (4,), 5: (4, 1), 6: (4, 2), 8: (8,)}
+
+
+def vnni_chunks(bits: int) -> int:
+    """64-byte chunks per group of 32 and tile of 16 rows for codes of `bits` (= bits)."""
+    return sum(PLANES[bits])
+
+
+def pack_planes(tiles: np.ndarray, bits: int) -> np.ndarray:
+    """(..., 8, 64) uint8 tiles of `bits`-bit codes -> (..., vnni_chunks(bits), 64) uint8, plane by
+    plane (PLANES)."""
+    tiles = tiles.astype(np.uint8)
+    if bits == 8:
+        return tiles
+    chunks, shift = [], 0
+    for w in PLANES[bits]:
+        per = 8 // w
+        field = (tiles >> shift) & ((1 << w) - 1)
+        for c in range(w):
+            byte = np.zeros(tiles.shape[:-2] + (64,), np.uint8)
+            for s in range(per):
+                byte |= (field[..., c * per + s, :] << (w * s)).astype(np.uint8)
+            chunks.append(byte)
+        shift += w
+    return np.stack(chunks, axis=-2)
+
+
+def unpack_planes(chunks: np.ndarray, bits: int) -> np.ndarray:
+    """pack_planes' inverse: (..., vnni_chunks(bits), 64) -> (..., 8, 64) uint8 codes (the numpy
+    statement of what the int8-activation kernel unpacks)."""
+    if bits == 8:
+        return chunks
+    tiles = np.zeros(chunks.shape[:-2] + (8, 64), np.uint8)
+    c0 = shift = 0
+    for w in PLANES[bits]:
+        per = 8 // w
+        for t in range(8):
+            tiles[..., t, :] |= ((chunks[..., c0 + t // per, :] >> (w * (t % per))) & ((1 << w) - 1)) << shift
+        c0 += w
+        shift += w
+    return tiles
 
 
 def pack_kquant_codes(sc: np.ndarray, mn: np.ndarray) -> tuple:
@@ -224,13 +280,13 @@ def packed_shapes(fmt: WeightFormat, N: int, K: int, layout: str) -> list:
     NG = K // GROUP
     if layout == "vnni":
         NT = N // TILE_N
-        out = [([NT, NG, 4 if fmt.bits == 4 else 8, 64], "uint8")]
+        out = [([NT, NG, vnni_chunks(fmt.bits), 64], "uint8")]
         if fmt.kind == "kquant":
             NS = NG // super_groups(K)
             return out + [([NT, NG, TILE_N], "uint8"), ([NT, (NG + 1) // 2, TILE_N], "uint8")] \
                 + [([NT, NS, TILE_N], "float16")] * 2
         return out + [([NT, NG, TILE_N], "float16")] * (1 if fmt.kind == "sym" else 2)
-    first = ([N, K], "int8") if fmt.bits == 8 else ([N, NG, 16], "uint8")
+    first = ([N, K], "int8" if fmt.bits == 8 else "uint8") if bytes_rows(fmt) else ([N, NG, 16], "uint8")
     return [first] + [([N, NG], "float32")] * (1 if fmt.kind == "sym" else 2)
 
 

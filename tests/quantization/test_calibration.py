@@ -68,6 +68,23 @@ def test_calibration_is_deterministic(checkpoint):
     assert any(f == "q8_0" for f in plan0.formats.values())  # the budget bought some 8-bit
 
 
+def test_a_budget_over_all_weights_offers_the_in_between_k_quants(checkpoint):
+    """--bits-count all: the mix may raise a unit to q5_k / q6_k (the steps a large LM head can
+    afford where q8_0 does not fit); the default count ("body") keeps q8_0 as the only step."""
+    from tvm_llm.quantization.plan import QuantPlan
+
+    found = {}
+    for count, budget in (("all", 5.0), ("body", 5.0)):
+        plan, report = C.calibrate_for_build(_model(checkpoint), checkpoint("llama"),
+                                             QuantPlan("q4_k", "int8"), methods="none",
+                                             bits_per_weight=budget, count=count, windows=WINDOWS,
+                                             log=lambda *a: None)
+        assert report["bits_per_weight"][count] <= budget + 1e-9
+        found[count] = set(plan.formats.values())
+    assert found["all"] & {"q5_k", "q6_k"} and found["all"] <= {"q4_k", "q5_k", "q6_k", "q8_0"}
+    assert found["body"] <= {"q4_k", "q8_0"}
+
+
 def test_groups_searched_in_parallel_choose_and_fold_as_one_by_one(checkpoint, monkeypatch):
     """apply_awq searches every group in a pool while it folds earlier groups' scales: the
     scales, the folded weights and the statistics equal those of searching each group only

@@ -490,11 +490,15 @@ DEFAULT_WINDOWS = 2
 # statistics): 1 of 2 chose the same mix as 2 of 2 on SmolLM2-135M (byte-identical q4 weights)
 # and on llama-1b, at 3/4 of the forward + backward (README "Build time", stop 21)
 GRADIENT_WINDOWS = 1
-# formats a unit may be raised to from the plan's default. The 5 and 6-bit k-quants are the steps
-# between 4 and 8 bits: on SmolLM2-135M with the LM head counted in the budget (--bits-count all,
-# simulated W4A8, README) they moved the head from q4_k to q5_k / q6_k at the same stored bits
-# (4.8 bits: +7.66% -> +1.87% perplexity; 5.2: +7.87% -> +1.34%)
-MIX_CANDIDATES = ("q5_k", "q6_k", "q8_0")
+# formats a unit may be raised to from the plan's default, by what the budget counts (mix.COUNTS).
+# With the LM head counted ("all") the 5 and 6-bit k-quants are the steps a large head can
+# afford where q8_0 never fits: on SmolLM2-135M (W4A8, runtime, 8 windows) the head rose from
+# q4_k to q5_k / q6_k at the same stored bits, 4.8 bits +8.25% -> +1.98% perplexity, 5.2 bits
+# +8.31% -> +1.31%. With the head outside the budget ("body", the default; the head takes
+# q8_0) the steps only spread the layers' ~0.1 bit of headroom differently, and there they
+# measured worse: q4 -0.03% with q8_0 alone against +0.65% with the steps (simulated +0.54%
+# against +0.82%): the Fisher estimate does not rank such small upgrades reliably
+MIX_CANDIDATES = {"body": ("q8_0",), "all": ("q5_k", "q6_k", "q8_0")}
 
 
 def parse_methods(methods) -> tuple:
@@ -623,7 +627,8 @@ def calibrate_for_build(model, model_dir: str, quant, text_path: str | None = No
         _alias_head(model, importance)
     formats = dict(quant.formats)
     if bits_per_weight is not None:
-        candidates = [quant.default_format] + [f for f in MIX_CANDIDATES if f != quant.default_format]
+        candidates = [quant.default_format] + [f for f in MIX_CANDIDATES.get(count, ())
+                                               if f != quant.default_format]
         t1 = time.perf_counter()
         units = fisher_units(model, calib, candidates, importance or None)
         stages["mix (Fisher estimate)"] = round(time.perf_counter() - t1, 1)

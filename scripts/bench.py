@@ -208,12 +208,33 @@ BYTES_PER_WEIGHT = {"fp32": 4.0, "F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 34
 FLOAT_BUILDS = {"bf16": "bfloat16", "fp16": "float16"}
 
 
+def entry_options(spec: str) -> tuple:
+    """(name, extra build() options) of an entry NAME[:key=value;key=value...] (a comma inside
+    a value written as '+'; bits_per_weight a number), e.g. `q4:bits_per_weight=4.8;bits_count=all`
+    (here and in scripts/bench_quality.py's --schemes)."""
+    name, _, opts = spec.partition(":")
+    kw: dict = {}
+    for opt in filter(None, opts.split(";")):
+        key, _, value = opt.partition("=")
+        value = value.replace("+", ",")
+        kw[key] = float(value) if key == "bits_per_weight" else value
+    return name, kw
+
+
 def tvm_build_options(q: str) -> dict:
     """build() options of a --quantization entry: q8 / q4 (our defaults for this CPU), a format
-    name (q8_0, q4_0, q4_1, q4_k: the build's default activations for this CPU, int16 where it
+    name (q8_0, q4_0, q4_1, q4_k...: the build's default activations for this CPU, int16 where it
     has integer dot products: x86 with AVX2 or AVX-512), a format with `_a8` / `_a16` /
     `_float` (int8 / int16 / float activations), or bf16 / fp16 (an unquantized build in that
-    dtype: --dtype bfloat16 / float16)."""
+    dtype: --dtype bfloat16 / float16); options after a colon (entry_options) are added, and
+    an entry that sets bits_per_weight keeps it."""
+    q, extra = entry_options(q)
+    kw = _tvm_build_options(q)
+    kw.update(extra)
+    return kw
+
+
+def _tvm_build_options(q: str) -> dict:
     if q in FLOAT_BUILDS:
         return dict(dtype=FLOAT_BUILDS[q])
     for suffix, activations in (("_a8", "int8"), ("_a16", "int16"), ("_float", "float")):
@@ -352,6 +373,7 @@ def main(argv=None):
                 kw["arch"] = args.arch
             if q in CLI_RECIPES:  # the CLI's budget for the layout this target's kernels use
                 kw["bits_per_weight"] = cli_budget(kw)
+            tag = "".join(c if c.isalnum() or c in "._-" else "_" for c in tag)
             out, name = build_model(ckpt, args.shape, args.rebuild, tag=tag, **kw), f"tvm_llm {tag}"
         runners.append(TvmRunner(out, args.threads, name=name))
         costs = model_costs(args.shape, context, 0.0, 2 if q in FLOAT_BUILDS else 4)

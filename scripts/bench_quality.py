@@ -48,7 +48,10 @@ def default_text() -> str:
 
 def parse_scheme(spec: str) -> tuple:
     """(label, tvm_llm.build keyword arguments) of a --schemes entry."""
-    name, _, opts = spec.partition(":")
+    sys.path.insert(0, HERE)
+    from bench import entry_options
+
+    name, options = entry_options(spec)
     kw: dict = {}
     if name == "fp32":
         pass
@@ -59,10 +62,7 @@ def parse_scheme(spec: str) -> tuple:
     else:
         q, _, act = name.partition("/")
         kw = {"quantization": q, **({"activations": act} if act else {})}
-    for opt in filter(None, opts.split(";")):
-        key, _, value = opt.partition("=")
-        value = value.replace("+", ",")
-        kw[key] = float(value) if key == "bits_per_weight" else value
+    kw.update(options)
     return spec, kw
 
 

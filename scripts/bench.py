@@ -221,20 +221,17 @@ def entry_options(spec: str) -> tuple:
     return name, kw
 
 
+def file_tag(spec: str) -> str:
+    """`spec` as part of a file name: characters other than letters, digits and ._- become _."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in spec)
+
+
 def tvm_build_options(q: str) -> dict:
-    """build() options of a --quantization entry: q8 / q4 (our defaults for this CPU), a format
-    name (q8_0, q4_0, q4_1, q4_k...: the build's default activations for this CPU, int16 where it
-    has integer dot products: x86 with AVX2 or AVX-512), a format with `_a8` / `_a16` /
+    """build() options of a --quantization entry's name: q8 / q4 (our defaults for this CPU), a
+    format name (q8_0, q4_0, q4_1, q4_k...: the build's default activations for this CPU, int16
+    where it has integer dot products: x86 with AVX2 or AVX-512), a format with `_a8` / `_a16` /
     `_float` (int8 / int16 / float activations), or bf16 / fp16 (an unquantized build in that
-    dtype: --dtype bfloat16 / float16); options after a colon (entry_options) are added, and
-    an entry that sets bits_per_weight keeps it."""
-    q, extra = entry_options(q)
-    kw = _tvm_build_options(q)
-    kw.update(extra)
-    return kw
-
-
-def _tvm_build_options(q: str) -> dict:
+    dtype: --dtype bfloat16 / float16). Options after a colon: entry_options."""
     if q in FLOAT_BUILDS:
         return dict(dtype=FLOAT_BUILDS[q])
     for suffix, activations in (("_a8", "int8"), ("_a16", "int16"), ("_float", "float")):
@@ -367,14 +364,15 @@ def main(argv=None):
         if q == "fp32" and not args.arch:
             out, name = build_model(ckpt, args.shape, args.rebuild), "tvm_llm"
         else:
-            kw = {} if q == "fp32" else tvm_build_options(q)
+            entry, extra = entry_options(q)
+            kw = {} if entry == "fp32" else tvm_build_options(entry)
+            kw.update(extra)
             tag = q + (f"-{args.arch}" if args.arch else "")
             if args.arch:
                 kw["arch"] = args.arch
-            if q in CLI_RECIPES:  # the CLI's budget for the layout this target's kernels use
-                kw["bits_per_weight"] = cli_budget(kw)
-            tag = "".join(c if c.isalnum() or c in "._-" else "_" for c in tag)
-            out, name = build_model(ckpt, args.shape, args.rebuild, tag=tag, **kw), f"tvm_llm {tag}"
+            if entry in CLI_RECIPES and "bits_per_weight" not in extra:
+                kw["bits_per_weight"] = cli_budget(kw)  # the CLI's, for this target's kernel layout
+            out, name = build_model(ckpt, args.shape, args.rebuild, tag=file_tag(tag), **kw), f"tvm_llm {tag}"
         runners.append(TvmRunner(out, args.threads, name=name))
         costs = model_costs(args.shape, context, 0.0, 2 if q in FLOAT_BUILDS else 4)
         costs["decode_bytes"] += stored_decode_bytes(out, args.shape)  # KV + stored weights

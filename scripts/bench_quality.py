@@ -48,7 +48,8 @@ def default_text() -> str:
 
 def parse_scheme(spec: str) -> tuple:
     """(label, tvm_llm.build keyword arguments) of a --schemes entry."""
-    sys.path.insert(0, HERE)
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
     from bench import entry_options
 
     name, options = entry_options(spec)
@@ -70,10 +71,10 @@ def build(ckpt: str, spec: str, kw: dict, rebuild: bool, window: int) -> str:
     import json
 
     import tvm_llm
+    from bench import file_tag
     from tvm_llm.config import BuildConfig
 
-    tag = "".join(c if c.isalnum() or c in "._-" else "_" for c in spec)
-    out = os.path.join(CACHE, f"{os.path.basename(os.path.abspath(ckpt))}-{tag}")
+    out = os.path.join(CACHE, f"{os.path.basename(os.path.abspath(ckpt))}-{file_tag(spec)}")
     config = BuildConfig.recommended(context_window=max(512, window + 1), max_batch_size=1,
                                      prefill_chunk_size=window, **kw)
     # the options the cached build was made with (a build of other options is made again)

@@ -13,7 +13,8 @@ Every format quantizes a weight (N, K) along K (the reduction axis) in groups of
     q3_k  q4_k's layout with 3-bit q in [0, 7]                                       (3.5 bits)
     q5_k  q4_k's layout with 5-bit q in [0, 31]                                      (5.5 bits)
     q6_k  q4_k's layout with 6-bit q in [0, 63]                                      (6.5 bits)
-          (steps for the automatic mix, quantization/mix.py, around q4_k)
+          (q5_k / q6_k: the automatic mix's steps when its budget counts the LM head,
+          calibration.MIX_CANDIDATES; q3_k by name only)
 
 `quantize(w, importance)` chooses each group's scale (and minimum) by a small search that
 minimizes the importance-weighted squared rounding error sum_k imp[k] (w[n, k] - w_q[n, k])^2,

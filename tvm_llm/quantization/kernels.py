@@ -91,20 +91,18 @@ def _rows_value(stored: list, fmt: WeightFormat, dtype: str):
             up = tirx.Select(k % GROUP < 16, tirx.const(28, "int32"), tirx.const(24, "int32"))
             nib = (byte << up) >> tirx.const(28, "int32")
             return nib.astype(dtype) * scale[n, k // GROUP].astype(dtype)
-    elif bytes_rows(fmt):  # q3_k / q5_k / q6_k: a byte per code
+    else:  # q4_1 and the k-quants: unsigned codes, w = q * scale + offset
         offset = stored[2]
 
-        def value(n, k):
-            return wq[n, k].astype(dtype) * scale[n, k // GROUP].astype(dtype) \
-                + offset[n, k // GROUP].astype(dtype)
-    else:
-        offset = stored[2]
-
-        def value(n, k):
+        def code(n, k):
+            if bytes_rows(fmt):  # q3_k / q5_k / q6_k: a byte per code
+                return wq[n, k]
             byte = wq[n, k // GROUP, k % 16].astype("int32")
             down = tirx.Select(k % GROUP < 16, tirx.const(0, "int32"), tirx.const(4, "int32"))
-            nib = (byte >> down) & tirx.const(15, "int32")
-            return nib.astype(dtype) * scale[n, k // GROUP].astype(dtype) \
+            return (byte >> down) & tirx.const(15, "int32")
+
+        def value(n, k):
+            return code(n, k).astype(dtype) * scale[n, k // GROUP].astype(dtype) \
                 + offset[n, k // GROUP].astype(dtype)
     return value
 

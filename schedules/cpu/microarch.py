@@ -80,7 +80,11 @@ neon               aarch64 (generic, neoverse-*, apple-*)                      r
   scripts/ab_decode.py --prefill: llama-110m 128 tokens 0.937 / 0.949x the time, both load
   orders, llama-1b 64 tokens 0.893x); where 48 does not divide N, 6x4 before 7x2 (kernels
   +5-10% on llama-110m qkv / gate_up and llama-1b qkv / o / gate_up; builds: 110m prefill 0.962x,
-  1b 0.963x, decode 0.995x both). Two tiles walked side by side per decode thread (two
+  1b 0.963x, decode 0.995x both). The row tiles of a panel prefetch the next panel into L2 as they go
+  (gemm_next_panel_bytes, panels up to 512 KiB: two of them and the activations fit a 2 MiB
+  L2; model 167 with a 480 MiB L3, stop 46: llama-1b 64-row kernels, cold weights, qkv /
+  gate_up 265 / 268 -> 296 / 284 GFLOP/s; the down projection's 1.4 MiB 6x4 panels, or 720 KiB
+  7x2 ones, gained nothing; whole builds 0.94x the prefill time on llama-1b and llama-110m). Two tiles walked side by side per decode thread (two
   weight streams a core) ran 1.06-1.16x faster in scripts/bench_int8_kernel.py --cold but
   stepped llama-1b q4 builds 1.03-1.04x slower, so one tile stays. The reasoning the row
   started from: with two FMAs per cycle a 4x3 packed
@@ -132,6 +136,10 @@ class TileRow:
     # the float32 GEMM micro-kernel's software prefetch of its panel, bytes ahead (0: none;
     # pipeline.row_tile_loops)
     gemm_prefetch_bytes: int = 0
+    # the largest packed panel (bytes) whose successor the float32 GEMM's row tiles prefetch
+    # into L2 while they compute (0: none; pipeline._next_panel_prefetched): the two panels
+    # must fit the core's L2 beside the activations
+    gemm_next_panel_bytes: int = 0
 
     def int8_prefetch(self, weight_bits: int) -> str:
         """The int8-activation decode's prefetch for weights of `weight_bits` (3-6: the
@@ -160,7 +168,8 @@ ROWS = (
             gemv_prefill=((4, 3), (3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),
             gemv_decode=_DECODE, measured=True, gemm_decode_streams=4,
             gemm_float32=((8, 3), (6, 4)), int8_decode_prefetch="every-line-l1",
-            int8_decode_prefetch_4bit="every-line", gemm_prefetch_bytes=2048),
+            int8_decode_prefetch_4bit="every-line", gemm_prefetch_bytes=2048,
+            gemm_next_panel_bytes=512 << 10),
     TileRow("avx512-other", ("*",), "avx512",  # client AVX-512 parts, unknown names
             gemm=((4, 3), (7, 2), (3, 4), (15, 1)),
             gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),

@@ -274,10 +274,13 @@ def stored_decode_bytes(out: str, shape: str) -> float:
 
 
 def model_costs(shape: str, context: int, bytes_per_weight: float = 4.0,
-                kv_bytes_per_value: int = 4) -> dict:
+                kv_bytes_per_value: int = 4, prompt_len: int = 1) -> dict:
     """Bytes read per decode token (every weight but the embedding table, at
     `bytes_per_weight`, plus the KV cache at `context` tokens, `kv_bytes_per_value` each: 4 for
-    fp32 and quantized builds, 2 for bf16/fp16 builds and llama.cpp's default f16 cache) and FLOPs per prefill token (2 per weight multiply-add)."""
+    fp32 and quantized builds, 2 for bf16/fp16 builds and llama.cpp's default f16 cache) and
+    FLOPs per prefill token of a `prompt_len`-token prompt (2 per weight multiply-add; the LM
+    head once a prompt, for the next token's logits, as our runtime and llama.cpp compute it:
+    counted per token, it had put llama-110m's prefill share ~20% too high)."""
     s = SHAPES[shape]
     h, L, i, v = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"], s["vocab_size"]
     hd = h // s["num_attention_heads"]
@@ -286,7 +289,7 @@ def model_costs(shape: str, context: int, bytes_per_weight: float = 4.0,
     matmul_params = L * per_layer + h * v + h
     kv_bytes = 2 * L * kv * kv_bytes_per_value * context
     return {"decode_bytes": matmul_params * bytes_per_weight + kv_bytes,
-            "prefill_flops": 2 * matmul_params}
+            "prefill_flops": 2 * (matmul_params - h * v) + 2 * h * v / prompt_len}
 
 
 def print_limits(results, limits, costs, per_system=None):
@@ -402,7 +405,8 @@ def main(argv=None):
                       probe=BandwidthProbe(args.threads))
     print_table(results)
     limits = machine_limits(args.threads)
-    print_limits(results, limits, model_costs(args.shape, context), per_system)
+    print_limits(results, limits, model_costs(args.shape, context, prompt_len=args.prompt_len),
+                 per_system)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results, "machine": limits}, f, indent=2)

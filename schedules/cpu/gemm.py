@@ -30,8 +30,10 @@ Why the schedule is shaped so
       24).
     * Packed weight ``Bp[N/PN, K, PN]``: one contiguous, sequential stream per panel for the
       micro-kernel and for decode; the panel (K x PN floats, <= 720 KB for K = 5632) is reused
-      from L2 for every ``Mr``-row block of A, so no K blocking is needed (K=5632 runs at the
-      same 109 GF/s/core as K=768). On Intel Xeons the panel's lines are also prefetched into
+      from L2 for every ``Mr``-row block of A, so no K blocking is needed on znver4 (K=5632
+      runs at the same 109 GF/s/core as K=768). Where the CPU's row sets
+      ``gemm_k_block_bytes`` (Intel) a larger panel runs in k blocks
+      (:func:`_schedule_k_blocked`). On Intel Xeons the panel's lines are also prefetched into
       L1 2 KiB ahead of their loads (``gemm_prefetch_bytes`` of the CPU's row, inserted by
       :func:`.pipeline.row_tile_loops`): the L1 prefetchers alone run too close behind a
       kernel that eats a line every ~4 cycles. There the row tiles also prefetch the next
@@ -253,6 +255,96 @@ def pack_weight(sch: s_tir.Schedule, main, pat: common.MatmulPattern, pn: int, d
     return sch.get(rw).writes[0].source
 
 
+def _annotate_micro_kernel(sch: s_tir.Schedule, target: Target, mo, k_loop, panel: int):
+    """Ask the CPU pipeline (pipeline.row_tile_loops) to finish the float32 micro-kernel: the
+    partial row tile without branches, the panel prefetched into L1 ``gemm_prefetch_bytes``
+    ahead, and the next panel (`panel` floats on) into L2 where it is small enough."""
+    row = microarch.tile_row(target)
+    sch.annotate(k_loop, pipeline.ROW_TILE_LOOP, True)
+    if row.gemm_prefetch_bytes:
+        sch.annotate(k_loop, pipeline.PREFETCH_AHEAD, row.gemm_prefetch_bytes)
+    if panel * 4 <= row.gemm_next_panel_bytes:
+        sch.annotate(mo, pipeline.NEXT_PANEL, panel)
+
+
+def _tile_init(sch: s_tir.Schedule, block, k_loop):
+    """The register tile's zeroing before `k_loop`, vectorized and unrolled."""
+    init = sch.decompose_reduction(block, k_loop)
+    il = sch.get_loops(init)
+    sch.vectorize(il[-1])
+    for lp in il[-3:-1]:
+        sch.unroll(lp)
+
+
+def k_blocks(target: Target, pat: common.MatmulPattern, pn: int) -> int:
+    """How many k blocks a float32 prefill GEMM runs in: the fewest that divide K and keep a
+    block's slice of a packed panel (K/blocks x PN floats) within the CPU row's
+    ``gemm_k_block_bytes``; 1 (whole K) where the row sets none or the panel fits."""
+    limit = microarch.tile_row(target).gemm_k_block_bytes
+    if not limit or pat.K * pn * 4 <= limit:
+        return 1
+    for blocks in range(2, pat.K + 1):  # (never pn blocks: the sum's loops tell them apart)
+        if pat.K % blocks == 0 and pat.K // blocks * pn * 4 <= limit and blocks != pn:
+            return blocks
+    return 1
+
+
+def _schedule_k_blocked(sch: s_tir.Schedule, pat: common.MatmulPattern, target: Target, main,
+                        mr: int, nv: int, lanes: int, kb: int) -> s_tir.Schedule:
+    """The float32 micro-kernel over `kb` k blocks: no | kb | mo | k | mr | nv | nl, each k
+    block's partial tile stored to a (kb, M, N) buffer, then per panel the sum of the kb
+    partials and the epilogue. With the whole K a panel (K x PN floats) and the activations'
+    rows (M x K) both stream through L2 for every row tile; llama-1b's down projection (K =
+    5632: 1.4 MiB panels, 1.4 MiB of activations at 64 rows) overflows a 2 MiB L2 so, and ran
+    at 0.75-0.85 of the other linears' GFLOP/s. Its k blocks keep both within L2; summing the
+    partials reads kb x M x PN floats a panel, little beside the panel itself."""
+    pn = nv * lanes
+    loops = sch.get_loops(main)
+    m_loops = [loops[i] for i in pat.m_axes]
+    n_loop, k_loop = loops[pat.n_axis], loops[pat.k_axis]
+    sch.reorder(*m_loops, n_loop, k_loop)
+    ko, ki = sch.split(k_loop, [kb, None])
+    rf = sch.rfactor(ko, 0)  # the partial products of each k block: Crf[kb, M.., N]
+    tile = sch.cache_write(rf, 0, "global")
+    rl = sch.get_loops(rf)
+    nm = len(pat.m_extents)
+    m_l, n_l, ko, ki = rl[:nm], rl[nm], rl[nm + 1], rl[nm + 2]
+    m = sch.fuse(*m_l) if len(m_l) > 1 else m_l[0]
+    no, nvl, nl = sch.split(n_l, [None, nv, lanes])
+    mo, mri = sch.split(m, [None, mr])
+    sch.reorder(no, ko, mo, ki, mri, nvl, nl)
+    sch.reverse_compute_at(tile, mo)
+    if pat.m_static is None or pat.m_static % mr != 0:
+        sch.annotate(mo, "pragma_loop_partition_hint", 1)
+    sch.parallel(no)
+    sch.vectorize(nl)
+    sch.unroll(nvl)
+    sch.unroll(mri)
+    _annotate_micro_kernel(sch, target, mo, ki, pat.K // kb * pn)  # a k block's panel slice
+    _tile_init(sch, rf, ki)
+    common.vectorize_innermost(sch, tile, lanes)
+    # the sum of the k blocks' partial products, a panel at a time, then the epilogue
+    sch.reverse_compute_at(main, no)
+    ml = sch.get_loops(main)[1:]  # below no: the k blocks, the panel's columns, the rows
+    ext = {i: common.loop_extent(sch, lp) for i, lp in enumerate(ml)}
+    k_l = next(lp for i, lp in enumerate(ml) if ext[i] == kb)
+    n_l = next(lp for i, lp in enumerate(ml) if ext[i] == pn)
+    m_l = [lp for i, lp in enumerate(ml) if not (lp.same_as(k_l) or lp.same_as(n_l))]
+    sch.reorder(*m_l, k_l, n_l)
+    sinit = sch.decompose_reduction(main, k_l)  # the update's column loop: LLVM vectorizes it
+    common.vectorize_innermost(sch, sinit, lanes)
+    if pat.epilogue:
+        epi = sch.get_sblock(pat.epilogue[0])
+        sch.reverse_compute_at(epi, no)
+        common.vectorize_innermost(sch, epi, lanes)
+
+    def tile_map(*idx):
+        return (common.m_flat_index(pat, idx[1:-1]) % mr, idx[-1] % pn)
+
+    sch.transform_layout(rf, ("write", 0), tile_map, assume_injective_transform=True)
+    return sch
+
+
 def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, target: Target,
                            pack: bool, tile=None, allow_bf16_dot: bool = True,
                            streams=None) -> s_tir.Schedule:
@@ -276,6 +368,13 @@ def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, targe
     if widen is not None:  # float32 copies that the FMAs read: activations, each weight panel
         a_f32 = _float32_copy(sch, main, widen)
         b_f32 = _float32_copy(sch, main, packed)
+
+    kb = k_blocks(target, pat, pn) if (s == 1 and not dot and widen is None
+                                        and not pat.decode_like) else 1
+    if kb > 1:  # the panel and the activations' rows overflow L2: k blocks
+        if pat.epilogue:
+            sch.set_scope(main, 0, "global")
+        return _schedule_k_blocked(sch, pat, target, main, mr, nv, lanes, kb)
 
     # 2. The accumulator tile: the epilogue's input, or a cache of the output.
     if pat.epilogue:
@@ -313,17 +412,8 @@ def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, targe
     sch.unroll(mri)
 
     if s == 1 and not dot and not pat.decode_like:  # the float32 micro-kernel (pipeline.py)
-        sch.annotate(k_loop, pipeline.ROW_TILE_LOOP, True)  # a partial tile without branches
-        ahead = microarch.tile_row(target).gemm_prefetch_bytes
-        if ahead:  # the panel prefetched `ahead` bytes on
-            sch.annotate(k_loop, pipeline.PREFETCH_AHEAD, ahead)
-        if pat.K * pn * 4 <= microarch.tile_row(target).gemm_next_panel_bytes:
-            sch.annotate(mo, pipeline.NEXT_PANEL, pat.K * pn)  # stream the next panel too
-    init = sch.decompose_reduction(main, k_loop)
-    il = sch.get_loops(init)
-    sch.vectorize(il[-1])
-    for lp in il[-3:-1]:
-        sch.unroll(lp)
+        _annotate_micro_kernel(sch, target, mo, k_loop, pat.K * pn)
+    _tile_init(sch, main, k_loop)
     common.vectorize_innermost(sch, epi, lanes)
 
     # 4. Keep the tile at Mr x PN: the rows of one tile map onto the same Mr slots. Done last,

@@ -51,7 +51,8 @@ neon               aarch64 (generic, neoverse-*, apple-*)                      r
   llama-110m/1b linears at n=128 (scripts/bench_kernels.py --gemm-tiles): 7x2 114-144 GF/s,
   4x3 and 3x4 within the same noise, 14x1 57-88; every tile of 1 KiB or more (6x4, 8x3, 12x2,
   5x4, 4x4) 46-58 GF/s (a workspace tile, see gemm.py). A k-blocked variant (each 256-k slice of
-  the panel reused from L1 by all row tiles) measured no better than the whole-K kernel. Decode
+  the panel reused from L1 by all row tiles) measured no better than the whole-K kernel there;
+  blocks sized for L2 did later (below). Decode
   is where the CPUs differ: one packed panel at a time streamed 7-11 GB/s at 1 thread and 14-15
   at 2, where 4 panels walked side by side (gemm_decode_streams, 8 accumulators, 4 sequential
   streams in flight) streamed 12-15 and 22-25 GB/s, as fast as or faster than the row-major
@@ -84,7 +85,11 @@ neon               aarch64 (generic, neoverse-*, apple-*)                      r
   (gemm_next_panel_bytes, panels up to 512 KiB: two of them and the activations fit a 2 MiB
   L2; model 167 with a 480 MiB L3, stop 46: llama-1b 64-row kernels, cold weights, qkv /
   gate_up 265 / 268 -> 296 / 284 GFLOP/s; the down projection's 1.4 MiB 6x4 panels, or 720 KiB
-  7x2 ones, gained nothing; whole builds 0.94x the prefill time on llama-1b and llama-110m). Two tiles walked side by side per decode thread (two
+  7x2 ones, gained nothing; whole builds 0.94x the prefill time on llama-1b and llama-110m).
+  That down projection (K=5632: a 1.4 MiB panel and, at 64 rows, 1.4 MiB of activations, both
+  reread per row tile through a 2 MiB L2) runs in k blocks of at most 384 KiB of panel
+  (gemm_k_block_bytes; 4 blocks of 1408): 64 rows cold 232-239 -> 276-288 GFLOP/s, 128 rows
+  274 -> 330-342 (8 or 11 blocks alike); a whole llama-1b 64-token prefill 0.934x the time. Two tiles walked side by side per decode thread (two
   weight streams a core) ran 1.06-1.16x faster in scripts/bench_int8_kernel.py --cold but
   stepped llama-1b q4 builds 1.03-1.04x slower, so one tile stays. The reasoning the row
   started from: with two FMAs per cycle a 4x3 packed
@@ -140,6 +145,9 @@ class TileRow:
     # into L2 while they compute (0: none; pipeline._next_panel_prefetched): the two panels
     # must fit the core's L2 beside the activations
     gemm_next_panel_bytes: int = 0
+    # a float32 prefill GEMM whose packed panel is larger runs in k blocks whose panel slices
+    # are at most this many bytes (0: whole K always; gemm._schedule_k_blocked)
+    gemm_k_block_bytes: int = 0
 
     def int8_prefetch(self, weight_bits: int) -> str:
         """The int8-activation decode's prefetch for weights of `weight_bits` (3-6: the
@@ -169,7 +177,7 @@ ROWS = (
             gemv_decode=_DECODE, measured=True, gemm_decode_streams=4,
             gemm_float32=((8, 3), (6, 4)), int8_decode_prefetch="every-line-l1",
             int8_decode_prefetch_4bit="every-line", gemm_prefetch_bytes=2048,
-            gemm_next_panel_bytes=512 << 10),
+            gemm_next_panel_bytes=512 << 10, gemm_k_block_bytes=384 << 10),
     TileRow("avx512-other", ("*",), "avx512",  # client AVX-512 parts, unknown names
             gemm=((4, 3), (7, 2), (3, 4), (15, 1)),
             gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),

@@ -319,3 +319,52 @@ def test_bfloat16_prefill_widens_once_on_avx2():
             out = vm[name](tvm.runtime.tensor(x, dev), *wp).numpy()
             _assert_bf16_linear(out, x, w, epilogue, None if epilogue is None else bias,
                                 f"{name} M={M}")
+
+
+# (name, K, N, mode, epilogue) run in k blocks: the host CPU's row given a small block limit
+K_BLOCKED = [
+    ("k_none", 600, 96, "prefill", None),
+    ("k_residual", 512, 100, "prefill", "residual"),
+    ("k_silu_mul", 640, 112, "tokens", "silu_mul"),
+]
+
+
+def test_k_blocked_gemm_equals_numpy(monkeypatch):
+    """A float32 prefill GEMM whose panel exceeds the CPU row's gemm_k_block_bytes runs in k
+    blocks (partial tiles summed per panel, then the epilogue): equal to numpy for full and
+    partial row tiles, padded panels and epilogues, compiled with the build's TIR pipeline."""
+    import dataclasses
+
+    from schedules.cpu import gemm, microarch
+    from schedules.cpu.pipeline import cpu_tir_pipeline
+
+    row = microarch.tile_row
+    monkeypatch.setattr(microarch, "tile_row",
+                        lambda t: dataclasses.replace(row(t), gemm_k_block_bytes=16 << 10))
+    target = host_target()
+    one = workloads.linear_suite([dict(name="k", K=600, N=96, mode="prefill")])
+    pat = common.prepare_matmul(next(iter(workloads.prim_funcs(one).values())))[1]
+    assert gemm.k_blocks(target, pat, 48) == 8  # 600 / 8 x 48 x 4 B <= 16 KiB
+    mod = workloads.linear_suite([dict(name=n, K=k, N=nn, mode=m, epilogue=e)
+                                  for n, k, nn, m, e in K_BLOCKED])
+    mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
+    with target:
+        mod = cpu_schedule_pass()(mod)
+        assert all("_rf" in f.script() for f in workloads.prim_funcs(mod).values()), \
+            "not k-blocked"
+        mod = relax.transform.SplitLayoutRewritePreproc()(mod)
+        mod = relax.transform.LiftTransformParams()(mod)
+    vm = relax.VirtualMachine(tvm.compile(mod, target=target, tir_pipeline=cpu_tir_pipeline()),
+                              tvm.cpu())
+    dev, rng = tvm.cpu(), np.random.default_rng(1)
+    for name, K, N, mode, epilogue in K_BLOCKED:
+        w = rng.standard_normal((N, K)).astype("float32")
+        packed = vm[f"{name}_transform_params"]([tvm.runtime.tensor(w, dev)])
+        for M in (1, 7, 40):
+            xs = (1, M, K) if mode == "prefill" else (M, K)
+            x = rng.standard_normal(xs).astype("float32")
+            extra = None if epilogue is None else rng.standard_normal(xs[:-1] + (N,)).astype("float32")
+            acts = [x] + ([extra] if extra is not None else [])
+            out = vm[name](*[tvm.runtime.tensor(a, dev) for a in acts], *packed).numpy()
+            np.testing.assert_allclose(out, reference_linear(x, w, epilogue, extra),
+                                       rtol=2e-4, atol=2e-3, err_msg=f"{name} M={M}")

@@ -163,18 +163,25 @@ def test_gemm_prefetch_follows_the_cpu_row(cpu):
 
 
 @pytest.mark.parametrize("cpu", ["sapphirerapids", "znver4"])
-def test_gemm_next_panel_prefetch_follows_the_cpu_row(cpu):
+def test_gemm_next_panel_prefetch_and_k_blocks_follow_the_cpu_row(cpu):
     """Where the row sets gemm_next_panel_bytes (Intel) the prefill micro-kernel's k loop also
-    prefetches into L2 (prefetcht1) one line of the next packed panel, but only for panels of
-    at most that size (two must fit L2): none for llama-1b's down projection (K=5632, 1.4 MiB
-    panels) nor on a CPU whose row leaves it to the hardware."""
+    prefetches into L2 (prefetcht1) one line of the next packed panel; a panel over the row's
+    gemm_k_block_bytes (llama-1b's down projection: K=5632, 1.4 MiB) runs in k blocks whose
+    slices are small enough for that prefetch too. A row that sets neither (znver4) keeps the
+    whole K and leaves the panel to the hardware."""
+    from schedules.cpu.gemm import k_blocks
+
     row = microarch.tile_row(_target(cpu))
+    large_pat = type("P", (), {"K": 5632})()
+    blocks = k_blocks(_target(cpu), large_pat, 64)
     small = main_loop(packed_gemm_asm(cpu, K=256, N=1536))
     large = main_loop(packed_gemm_asm(cpu, K=5632, N=2048))
-    assert not re.findall(r"\bprefetcht1\b", large)
     if not row.gemm_next_panel_bytes:
-        assert not re.findall(r"\bprefetcht1\b", small)
+        assert blocks == 1 and not row.gemm_k_block_bytes
+        assert not re.findall(r"\bprefetcht1\b", small + large)
         return
-    assert 256 * 48 * 4 <= row.gemm_next_panel_bytes < 5632 * 64 * 4
-    assert len(re.findall(r"\bprefetcht1\b", small)) == 1, small
+    assert blocks == 4 and 5632 // 4 * 64 * 4 <= row.gemm_k_block_bytes  # 352 KiB slices
+    assert 256 * 48 * 4 <= row.gemm_next_panel_bytes
+    for loop in (small, large):
+        assert len(re.findall(r"\bprefetcht1\b", loop)) == 1, loop
     assert len(re.findall(r"\bprefetcht0\b", small)) == row.gemm_float32[0][1]

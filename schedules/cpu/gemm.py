@@ -292,8 +292,9 @@ def k_blocks(target: Target, pat: common.MatmulPattern, pn: int) -> int:
 def _schedule_k_blocked(sch: s_tir.Schedule, pat: common.MatmulPattern, target: Target, main,
                         mr: int, nv: int, lanes: int, kb: int) -> s_tir.Schedule:
     """The float32 micro-kernel over `kb` k blocks: no | kb | mo | k | mr | nv | nl, each k
-    block's partial tile stored to a (kb, M, N) buffer, then per panel the sum of the kb
-    partials and the epilogue. With the whole K a panel (K x PN floats) and the activations'
+    block's partial tiles stored to a (kb, M, PN) buffer of the panel (TVM allocates it inside
+    the parallel loop: a per-thread workspace, 512 KiB for llama-1b's down projection at a
+    512-token chunk), then per panel the sum of the kb partials and the epilogue. With the whole K a panel (K x PN floats) and the activations'
     rows (M x K) both stream through L2 for every row tile; llama-1b's down projection (K =
     5632: 1.4 MiB panels, 1.4 MiB of activations at 64 rows) overflows a 2 MiB L2 so, and ran
     at 0.75-0.85 of the other linears' GFLOP/s. Its k blocks keep both within L2; summing the

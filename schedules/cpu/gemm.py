@@ -276,14 +276,20 @@ def _tile_init(sch: s_tir.Schedule, block, k_loop):
         sch.unroll(lp)
 
 
+# the shortest k block worth its partial sums: a K with no divisor between this and the row's
+# limit (a prime K, say) keeps the whole K
+MIN_K_BLOCK = 256
+
+
 def k_blocks(target: Target, pat: common.MatmulPattern, pn: int) -> int:
     """How many k blocks a float32 prefill GEMM runs in: the fewest that divide K and keep a
     block's slice of a packed panel (K/blocks x PN floats) within the CPU row's
-    ``gemm_k_block_bytes``; 1 (whole K) where the row sets none or the panel fits."""
+    ``gemm_k_block_bytes``, blocks of at least MIN_K_BLOCK; 1 (whole K) where the row sets
+    none, the panel fits, or no such division exists."""
     limit = microarch.tile_row(target).gemm_k_block_bytes
     if not limit or pat.K * pn * 4 <= limit:
         return 1
-    for blocks in range(2, pat.K + 1):  # (never pn blocks: the sum's loops tell them apart)
+    for blocks in range(2, pat.K // MIN_K_BLOCK + 1):  # never pn blocks: the sum tells them apart
         if pat.K % blocks == 0 and pat.K // blocks * pn * 4 <= limit and blocks != pn:
             return blocks
     return 1

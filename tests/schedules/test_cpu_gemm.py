@@ -341,6 +341,7 @@ def test_k_blocked_gemm_equals_numpy(monkeypatch):
     row = microarch.tile_row
     monkeypatch.setattr(microarch, "tile_row",
                         lambda t: dataclasses.replace(row(t), gemm_k_block_bytes=16 << 10))
+    monkeypatch.setattr(gemm, "MIN_K_BLOCK", 16)  # small shapes, many blocks
     target = host_target()
     one = workloads.linear_suite([dict(name="k", K=600, N=96, mode="prefill")])
     pat = common.prepare_matmul(next(iter(workloads.prim_funcs(one).values())))[1]

@@ -181,6 +181,8 @@ def test_gemm_next_panel_prefetch_and_k_blocks_follow_the_cpu_row(cpu):
         assert not re.findall(r"\bprefetcht1\b", small + large)
         return
     assert blocks == 4 and 5632 // 4 * 64 * 4 <= row.gemm_k_block_bytes  # 352 KiB slices
+    assert k_blocks(_target(cpu), type("P", (), {"K": 4099})(), 64) == 1  # prime: whole K
+    assert k_blocks(_target(cpu), type("P", (), {"K": 11008})(), 64) == 8  # a 7B down: 1376
     assert 256 * 48 * 4 <= row.gemm_next_panel_bytes
     for loop in (small, large):
         assert len(re.findall(r"\bprefetcht1\b", loop)) == 1, loop

@@ -42,8 +42,8 @@ Why the schedule is shaped so
       waits on DRAM for the whole panel, at three lines per k step faster than a core's share
       of the bus (whole builds, same Xeon, 2 threads, scripts/ab_decode.py --prefill: llama-1b
       64 tokens 0.94x the time, llama-110m 128 tokens 0.94x). The packing is a separate
-      "layout rewrite" block
-      (``meta_schedule.layout_rewrite_preproc``) that ``relax.transform.SplitLayoutRewritePreproc``
+      "layout rewrite" block (``meta_schedule.layout_rewrite_preproc``) that
+      ``relax.transform.SplitLayoutRewritePreproc``
       splits out and ``LiftTransformParams`` moves to build time (see :mod:`.prepack`). Packing
       on every call does not pay: n=128 K=N=2048 (1 thread) 14.6 ms packed-per-call vs 13.3 ms
       row-major (GEMV rule) vs 9.8 ms prepacked; it only wins from n ~ 512.
@@ -255,6 +255,30 @@ def pack_weight(sch: s_tir.Schedule, main, pat: common.MatmulPattern, pn: int, d
     return sch.get(rw).writes[0].source
 
 
+def _register_tiles(sch: s_tir.Schedule, pat: common.MatmulPattern, m_loops, n_loop, k_loop,
+                    mr: int, nv: int, lanes: int, between=(), dot: bool = False):
+    """The tiling no | between.. | mo | k | mr | nv | nl (| the k pair of vdpbf16ps): the rows
+    fused and split by `mr` (a partition hint where `mr` may not divide them), N split into
+    panels of `nv` vectors run in parallel, the tile's loops unrolled and its vector loop
+    vectorized (tensorized instead with `dot`). Returns (no, mo, k_loop)."""
+    m = sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0]
+    no, nvl, nl = sch.split(n_loop, [None, nv, lanes])
+    mo, mri = sch.split(m, [None, mr])
+    if dot:
+        k_loop, kp = sch.split(k_loop, [None, 2])
+        sch.reorder(no, *between, mo, k_loop, mri, nvl, nl, kp)
+    else:
+        sch.reorder(no, *between, mo, k_loop, mri, nvl, nl)
+    if pat.m_static is None or pat.m_static % mr != 0:
+        sch.annotate(mo, "pragma_loop_partition_hint", 1)
+    sch.parallel(no)
+    if not dot:
+        sch.vectorize(nl)
+    sch.unroll(nvl)
+    sch.unroll(mri)
+    return no, mo, k_loop
+
+
 def _annotate_micro_kernel(sch: s_tir.Schedule, target: Target, mo, k_loop, panel: int):
     """Ask the CPU pipeline (pipeline.row_tile_loops) to finish the float32 micro-kernel: the
     partial row tile without branches, the panel prefetched into L1 ``gemm_prefetch_bytes``
@@ -300,10 +324,11 @@ def _schedule_k_blocked(sch: s_tir.Schedule, pat: common.MatmulPattern, target: 
     """The float32 micro-kernel over `kb` k blocks: no | kb | mo | k | mr | nv | nl, each k
     block's partial tiles stored to a (kb, M, PN) buffer of the panel (TVM allocates it inside
     the parallel loop: a per-thread workspace, 512 KiB for llama-1b's down projection at a
-    512-token chunk), then per panel the sum of the kb partials and the epilogue. With the whole K a panel (K x PN floats) and the activations'
-    rows (M x K) both stream through L2 for every row tile; llama-1b's down projection (K =
-    5632: 1.4 MiB panels, 1.4 MiB of activations at 64 rows) overflows a 2 MiB L2 so, and ran
-    at 0.75-0.85 of the other linears' GFLOP/s. Its k blocks keep both within L2; summing the
+    512-token chunk), then per panel the sum of the kb partials and the epilogue. With the
+    whole K a panel (K x PN floats) and the activations' rows (M x K) both stream through L2
+    for every row tile; llama-1b's down projection (K = 5632: 1.4 MiB panels, 1.4 MiB of
+    activations at 64 rows) overflows a 2 MiB L2 so, and ran at 0.75-0.85 of the other
+    linears' GFLOP/s. Its k blocks keep both within L2; summing the
     partials reads kb x M x PN floats a panel, little beside the panel itself."""
     pn = nv * lanes
     loops = sch.get_loops(main)
@@ -315,18 +340,9 @@ def _schedule_k_blocked(sch: s_tir.Schedule, pat: common.MatmulPattern, target: 
     tile = sch.cache_write(rf, 0, "global")
     rl = sch.get_loops(rf)
     nm = len(pat.m_extents)
-    m_l, n_l, ko, ki = rl[:nm], rl[nm], rl[nm + 1], rl[nm + 2]
-    m = sch.fuse(*m_l) if len(m_l) > 1 else m_l[0]
-    no, nvl, nl = sch.split(n_l, [None, nv, lanes])
-    mo, mri = sch.split(m, [None, mr])
-    sch.reorder(no, ko, mo, ki, mri, nvl, nl)
+    no, mo, ki = _register_tiles(sch, pat, rl[:nm], rl[nm], rl[nm + 2], mr, nv, lanes,
+                                 between=(rl[nm + 1],))
     sch.reverse_compute_at(tile, mo)
-    if pat.m_static is None or pat.m_static % mr != 0:
-        sch.annotate(mo, "pragma_loop_partition_hint", 1)
-    sch.parallel(no)
-    sch.vectorize(nl)
-    sch.unroll(nvl)
-    sch.unroll(mri)
     _annotate_micro_kernel(sch, target, mo, ki, pat.K // kb * pn)  # a k block's panel slice
     _tile_init(sch, rf, ki)
     common.vectorize_innermost(sch, tile, lanes)
@@ -398,25 +414,10 @@ def schedule_outer_product(sch: s_tir.Schedule, pat: common.MatmulPattern, targe
     m_loops = [loops[i] for i in pat.m_axes]
     n_loop, k_loop = loops[pat.n_axis], loops[pat.k_axis]
     sch.reorder(*m_loops, n_loop, k_loop)
-    m = sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0]
-    no, nvl, nl = sch.split(n_loop, [None, nv, lanes])
-    mo, mri = sch.split(m, [None, mr])
-    if dot:
-        k_loop, kp = sch.split(k_loop, [None, 2])
-        sch.reorder(no, mo, k_loop, mri, nvl, nl, kp)
-    else:
-        sch.reorder(no, mo, k_loop, mri, nvl, nl)
+    no, mo, k_loop = _register_tiles(sch, pat, m_loops, n_loop, k_loop, mr, nv, lanes, dot=dot)
     sch.reverse_compute_at(epi, mo)
-    m_static = pat.m_static
-    if m_static is None or m_static % mr != 0:
-        sch.annotate(mo, "pragma_loop_partition_hint", 1)
-    sch.parallel(no)
     if widen is not None:
         _schedule_float32_copies(sch, a_f32, b_f32, no, lanes)
-    if not dot:
-        sch.vectorize(nl)
-    sch.unroll(nvl)
-    sch.unroll(mri)
 
     if s == 1 and not dot and not pat.decode_like:  # the float32 micro-kernel (pipeline.py)
         _annotate_micro_kernel(sch, target, mo, k_loop, pat.K * pn)

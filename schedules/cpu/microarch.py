@@ -81,15 +81,16 @@ neon               aarch64 (generic, neoverse-*, apple-*)                      r
   scripts/ab_decode.py --prefill: llama-110m 128 tokens 0.937 / 0.949x the time, both load
   orders, llama-1b 64 tokens 0.893x); where 48 does not divide N, 6x4 before 7x2 (kernels
   +5-10% on llama-110m qkv / gate_up and llama-1b qkv / o / gate_up; builds: 110m prefill 0.962x,
-  1b 0.963x, decode 0.995x both). The row tiles of a panel prefetch the next panel into L2 as they go
-  (gemm_next_panel_bytes, panels up to 512 KiB: two of them and the activations fit a 2 MiB
-  L2; model 167 with a 480 MiB L3, stop 46: llama-1b 64-row kernels, cold weights, qkv /
+  1b 0.963x, decode 0.995x both). The row tiles of a panel prefetch the next panel into L2 as
+  they go (gemm_next_panel_bytes, panels up to 512 KiB: two of them and the activations fit a
+  2 MiB L2; model 167 with a 480 MiB L3, stop 46: llama-1b 64-row kernels, cold weights, qkv /
   gate_up 265 / 268 -> 296 / 284 GFLOP/s; the down projection's 1.4 MiB 6x4 panels, or 720 KiB
   7x2 ones, gained nothing; whole builds 0.94x the prefill time on llama-1b and llama-110m).
   That down projection (K=5632: a 1.4 MiB panel and, at 64 rows, 1.4 MiB of activations, both
   reread per row tile through a 2 MiB L2) runs in k blocks of at most 384 KiB of panel
   (gemm_k_block_bytes; 4 blocks of 1408): 64 rows cold 232-239 -> 276-288 GFLOP/s, 128 rows
-  274 -> 330-342 (8 or 11 blocks alike); a whole llama-1b 64-token prefill 0.934x the time. Two tiles walked side by side per decode thread (two
+  274 -> 330-342 (8 or 11 blocks alike); a whole llama-1b 64-token prefill 0.934x the time.
+  Two tiles walked side by side per decode thread (two
   weight streams a core) ran 1.06-1.16x faster in scripts/bench_int8_kernel.py --cold but
   stepped llama-1b q4 builds 1.03-1.04x slower, so one tile stays. The reasoning the row
   started from: with two FMAs per cycle a 4x3 packed

@@ -48,11 +48,11 @@ _DISABLE_LOWER_BUILTIN = "disable_lower_builtin"  # tvm::tirx::transform::kDisab
 # stream the loop reads this far ahead
 PREFETCH_AHEAD = "tvm_llm.prefetch_ahead"
 # A loop annotation (elements of one packed panel, K x PN): the row-tile loop whose k loop
-# :func:`row_tile_loops` makes prefetch the next panel into L2, one line a k step (see
+# :func:`row_tile_loops` makes prefetch the next panel into L2 (see
 # :func:`_next_panel_prefetched`)
 NEXT_PANEL = "tvm_llm.next_panel"
 # ... spread over this many times R row tiles (each prefetching one line every this many k
-# steps; a 64-token prefill has 8 row tiles of 8 rows): kernels on an Intel Xeon, 2 threads,
+# steps; a 64-token prefill has 8 row tiles of 8x3, 11 of 6x4): kernels on an Intel Xeon, 2 threads,
 # cold weights, llama-1b qkv / gate_up at 64 rows 1 -> 4: 269 / 259 -> 296 / 284 GFLOP/s (2
 # and 3 alike), at 128 rows 313 / 307 -> 328 / 353 (without the prefetch 265 / 268 at 64 rows)
 NEXT_PANEL_SPREAD = 4

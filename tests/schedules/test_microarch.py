@@ -169,11 +169,15 @@ def test_gemm_next_panel_prefetch_and_k_blocks_follow_the_cpu_row(cpu):
     gemm_k_block_bytes (llama-1b's down projection: K=5632, 1.4 MiB) runs in k blocks whose
     slices are small enough for that prefetch too. A row that sets neither (znver4) keeps the
     whole K and leaves the panel to the hardware."""
+    from types import SimpleNamespace
+
     from schedules.cpu.gemm import k_blocks
 
+    def blocks_of(K):  # k blocks of a K x 64-float panel (6x4 tiles)
+        return k_blocks(_target(cpu), SimpleNamespace(K=K), 64)
+
     row = microarch.tile_row(_target(cpu))
-    large_pat = type("P", (), {"K": 5632})()
-    blocks = k_blocks(_target(cpu), large_pat, 64)
+    blocks = blocks_of(5632)
     small = main_loop(packed_gemm_asm(cpu, K=256, N=1536))
     large = main_loop(packed_gemm_asm(cpu, K=5632, N=2048))
     if not row.gemm_next_panel_bytes:
@@ -181,8 +185,8 @@ def test_gemm_next_panel_prefetch_and_k_blocks_follow_the_cpu_row(cpu):
         assert not re.findall(r"\bprefetcht1\b", small + large)
         return
     assert blocks == 4 and 5632 // 4 * 64 * 4 <= row.gemm_k_block_bytes  # 352 KiB slices
-    assert k_blocks(_target(cpu), type("P", (), {"K": 4099})(), 64) == 1  # prime: whole K
-    assert k_blocks(_target(cpu), type("P", (), {"K": 11008})(), 64) == 8  # a 7B down: 1376
+    assert blocks_of(4099) == 1  # a prime K: whole K
+    assert blocks_of(11008) == 8  # a 7B down projection: 1376
     assert 256 * 48 * 4 <= row.gemm_next_panel_bytes
     for loop in (small, large):
         assert len(re.findall(r"\bprefetcht1\b", loop)) == 1, loop

@@ -52,9 +52,10 @@ PREFETCH_AHEAD = "tvm_llm.prefetch_ahead"
 # :func:`_next_panel_prefetched`)
 NEXT_PANEL = "tvm_llm.next_panel"
 # ... spread over this many times R row tiles (each prefetching one line every this many k
-# steps; a 64-token prefill has 8 row tiles of 8x3, 11 of 6x4): kernels on an Intel Xeon, 2 threads,
-# cold weights, llama-1b qkv / gate_up at 64 rows 1 -> 4: 269 / 259 -> 296 / 284 GFLOP/s (2
-# and 3 alike), at 128 rows 313 / 307 -> 328 / 353 (without the prefetch 265 / 268 at 64 rows)
+# steps; a 64-token prefill has 8 row tiles of 8x3, 11 of 6x4). Kernels on an Intel Xeon, 2
+# threads, cold weights (scripts/ab_prefill_kernels.py), llama-1b qkv / gate_up at 64 rows,
+# spread 1 -> 4: 269 / 259 -> 296 / 284 GFLOP/s (2 and 3 alike); at 128 rows 313 / 307 ->
+# 328 / 353; without the prefetch (other runs) 230 / 236-240 at 64 rows
 NEXT_PANEL_SPREAD = 4
 # A loop annotation: the k loop of a register-tile micro-kernel, whose partial row tile
 # (symbolic M) :func:`row_tile_loops` computes without branches

@@ -85,7 +85,8 @@ neon               aarch64 (generic, neoverse-*, apple-*)                      r
   they go (gemm_next_panel_bytes, panels up to 512 KiB: two of them and the activations fit a
   2 MiB L2; model 167 with a 480 MiB L3, stop 46, scripts/ab_prefill_kernels.py: llama-1b
   64-row kernels, cold, qkv / gate_up 230 / 236-240 -> 296 / 284 GFLOP/s; the down
-  projection's 1.4 MiB 6x4 panels, or 720 KiB 7x2 ones, gained nothing; whole builds 0.94x the prefill time on llama-1b and llama-110m).
+  projection's 1.4 MiB 6x4 panels, or 720 KiB 7x2 ones, gained nothing; whole builds 0.94x
+  the prefill time on llama-1b and llama-110m).
   That down projection (K=5632: a 1.4 MiB panel and, at 64 rows, 1.4 MiB of activations, both
   reread per row tile through a 2 MiB L2) runs in k blocks of at most 384 KiB of panel
   (gemm_k_block_bytes; 4 blocks of 1408): 64 rows cold 232-239 -> 276-288 GFLOP/s, 128 rows

@@ -3,9 +3,9 @@
 
 Each variant names overrides of the row's fields (schedules/cpu/microarch.py TileRow, e.g.
 ``gemm_next_panel_bytes=0`` turns the next-panel prefetch off, ``gemm_k_block_bytes=0`` the k
-blocks) or ``spread=S`` (pipeline.NEXT_PANEL_SPREAD); an empty variant is the row as it is.
+blocks) or ``spread=S`` (pipeline.NEXT_PANEL_SPREAD) or ``min_k=K`` (gemm.MIN_K_BLOCK) or ``adaptive=0`` (pipeline.NEXT_PANEL_ADAPTIVE); an empty variant is the row as it is.
 Every variant's kernels are compiled in this process, then each round times each linear of
-the llama-1b shape (qkv, o, gate_up, down) at --rows rows, cold (the packed weight rotated
+the --shape's linears (qkv, o, gate_up, down; llama-1b by default) at --rows rows, cold (the packed weight rotated
 over copies past the last-level cache, as a prefill meets it) and hot (one copy), the order
 reversed every other round; prints the median GFLOP/s of each. Only figures of one run
 compare.
@@ -26,8 +26,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-# (name, K, N) of the llama-1b linears
-SHAPES = [("qkv", 2048, 2560), ("o", 2048, 2048), ("gate_up", 2048, 11264), ("down", 5632, 2048)]
+# (name, K, N) of each benchmark shape's linears (scripts/bench.py SHAPES)
+SHAPES = {
+    "llama-1b": [("qkv", 2048, 2560), ("o", 2048, 2048), ("gate_up", 2048, 11264),
+                 ("down", 5632, 2048)],
+    "llama-110m": [("qkv", 768, 1280), ("o", 768, 768), ("gate_up", 768, 4096),
+                   ("down", 2048, 768)],
+    "l2": [("l2_6x4", 768, 512), ("l2_8x3", 768, 384)],  # weights that stay in a 2 MiB L2
+}
 
 
 def parse_variant(text: str):
@@ -46,12 +52,15 @@ def build(shapes, fields: dict):
     from tvm import relax
 
     import cpu_workloads as workloads
-    from schedules.cpu import cpu_schedule_pass, microarch, pipeline
+    from schedules.cpu import cpu_schedule_pass, gemm, microarch, pipeline
 
-    row, spread = microarch.tile_row, pipeline.NEXT_PANEL_SPREAD
-    overrides = {k: v for k, v in fields.items() if k != "spread"}
+    row, spread, min_k = microarch.tile_row, pipeline.NEXT_PANEL_SPREAD, gemm.MIN_K_BLOCK
+    adaptive = pipeline.NEXT_PANEL_ADAPTIVE
+    overrides = {k: v for k, v in fields.items() if k not in ("spread", "min_k", "adaptive")}
     microarch.tile_row = lambda t: dataclasses.replace(row(t), **overrides)
     pipeline.NEXT_PANEL_SPREAD = fields.get("spread", spread)
+    gemm.MIN_K_BLOCK = fields.get("min_k", min_k)
+    pipeline.NEXT_PANEL_ADAPTIVE = bool(fields.get("adaptive", adaptive))
     try:
         target = workloads.host_target(int(os.environ.get("TVM_NUM_THREADS", "2")))
         mod = workloads.linear_suite([dict(name=n, K=k, N=nn, mode="prefill")
@@ -63,7 +72,8 @@ def build(shapes, fields: dict):
             mod = relax.transform.LiftTransformParams()(mod)
         ex = tvm.compile(mod, target=target, tir_pipeline=pipeline.cpu_tir_pipeline())
     finally:
-        microarch.tile_row, pipeline.NEXT_PANEL_SPREAD = row, spread
+        microarch.tile_row, pipeline.NEXT_PANEL_SPREAD, gemm.MIN_K_BLOCK = row, spread, min_k
+        pipeline.NEXT_PANEL_ADAPTIVE = adaptive
     return relax.VirtualMachine(ex, tvm.cpu())
 
 
@@ -72,6 +82,7 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("variants", nargs="+", help="NAME:field=value,... (NAME: alone = the row as is)")
     p.add_argument("--rows", type=int, default=64, help="prefill rows M")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--only", default="", help="comma list of linears (qkv,o,gate_up,down)")
     p.add_argument("--cold-mb", type=int, default=1200, help="bytes of weight copies rotated")
@@ -80,7 +91,7 @@ def main(argv=None):
     import numpy as np
     import tvm
 
-    shapes = [s for s in SHAPES if not args.only or s[0] in args.only.split(",")]
+    shapes = [s for s in SHAPES[args.shape] if not args.only or s[0] in args.only.split(",")]
     vms = {name: build(shapes, fields) for name, fields in map(parse_variant, args.variants)}
     dev, rng = tvm.cpu(), np.random.default_rng(0)
     for name, K, N in shapes:

@@ -56,7 +56,18 @@ NEXT_PANEL = "tvm_llm.next_panel"
 # threads, cold weights (scripts/ab_prefill_kernels.py), llama-1b qkv / gate_up at 64 rows,
 # spread 1 -> 4: 269 / 259 -> 296 / 284 GFLOP/s (2 and 3 alike); at 128 rows 313 / 307 ->
 # 328 / 353; without the prefetch (other runs) 230 / 236-240 at 64 rows
-NEXT_PANEL_SPREAD = 4
+NEXT_PANEL_SPREAD = 4  # a power of two
+# ... or, for a call with fewer than R x NEXT_PANEL_SPREAD row tiles, the largest power of two
+# S whose R S tiles it has, chosen at run time (:func:`next_panel_line`), so that a 64-token
+# prefill's 11 tiles of 6x4 cover the whole next panel (with S = 4: 11/16 of it). Same Xeon,
+# 2 threads, cold weights, 12 interleaved rounds (scripts/ab_prefill_kernels.py new:
+# fixed4:adaptive=0), llama-1b at 64 rows: qkv / o / gate_up / down 302 / 301 / 301 / 287 ->
+# 303 / 307 / 313 / 294 GFLOP/s; at 128 rows (S = 4 either way) equal within the noise; the
+# whole llama-1b prefill of 64 tokens (scripts/ab_decode.py --prefill 64) 0.991x the time
+# (rounds 0.955-1.042). A C copy of the micro-kernel streaming cold panels at 60 rows, two
+# processes at once, agreed: 8 row tiles covering the panel 158-164 GFLOP/s a core, 16 (S = 4)
+# 149-160, 4 (two lines a k step) 141-145. False: always NEXT_PANEL_SPREAD (A/B runs)
+NEXT_PANEL_ADAPTIVE = True
 # A loop annotation: the k loop of a register-tile micro-kernel, whose partial row tile
 # (symbolic M) :func:`row_tile_loops` computes without branches
 ROW_TILE_LOOP = "tvm_llm.row_tile_loop"
@@ -173,16 +184,34 @@ def _panel_load(stmt):
     return None, None
 
 
+def next_panel_line(mo, k, tiles, rows: int, K: int):
+    """The line of the next panel that row tile `mo` of `tiles` prefetches at k step `k`
+    (PrimExprs of one integer type; `rows` = R lines per k step, `K` k steps): with spread S,
+    ``(mo % RS) K/S + k/S``. S is NEXT_PANEL_SPREAD where the call has R x NEXT_PANEL_SPREAD
+    row tiles or more, else the largest power of two S whose R S tiles it has (chosen at run
+    time, M being symbolic), so that the row tiles still cover the whole panel (1 where S
+    does not divide K)."""
+    c = lambda v: tirx.const(v, str(k.ty))  # noqa: E731
+    top = NEXT_PANEL_SPREAD.bit_length() - 1 if K % NEXT_PANEL_SPREAD == 0 else 0
+    sh = c(0)  # log2 S
+    for b in range(1, top + 1):
+        sh = tirx.Select(tiles >= c(rows << b), c(b), sh)
+    if not NEXT_PANEL_ADAPTIVE:
+        sh = c(top)
+    return (tirx.floormod(mo, tirx.shift_left(c(rows), sh)) * tirx.shift_right(c(K), sh)
+            + tirx.shift_right(k, sh))
+
+
 def _next_panel_prefetched(stmt):
     """A row-tile loop annotated NEXT_PANEL whose k loop also prefetches (into L2) one line of
-    the next packed panel every S = NEXT_PANEL_SPREAD k steps: row tile ``mo`` takes lines
-    ``(mo % RS) K/S + k/S`` of it, so R S row tiles cover the whole panel (R: the panel's lines
-    per k step; the S neighbouring k steps that name the same line prefetch it once more,
-    from L2). Without it the first row tile of a panel reads the panel from DRAM, three or
-    four lines per k step, faster than one core's share of the memory bus, while the other
-    row tiles reread it from L2 with the bus idle; spread so, the next panel's stream
-    overlaps the row tiles' compute. A prefill of fewer than R S row tiles leaves the rest of
-    the next panel to that panel's first row tile, as before."""
+    the next packed panel every S k steps: row tile ``mo`` takes lines ``(mo % RS) K/S + k/S``
+    of it, so R S row tiles cover the whole panel (R: the panel's lines per k step; the S
+    neighbouring k steps that name the same line prefetch it once more, from L2; S:
+    :func:`next_panel_line`, at most NEXT_PANEL_SPREAD). Without it the first row tile of a
+    panel reads the panel from DRAM, three or four lines per k step, faster than one core's
+    share of the memory bus, while the other row tiles reread it from L2 with the bus idle;
+    spread so, the next panel's stream overlaps the row tiles' compute. A prefill of fewer
+    than R row tiles leaves the rest of the next panel to that panel's first row tile."""
     panel = stmt.annotations.get(NEXT_PANEL) if isinstance(stmt, tirx.For) else None
     if panel is None:
         return stmt
@@ -203,8 +232,8 @@ def _next_panel_prefetched(stmt):
         mo = tirx.Cast(ity, stmt.loop_var) if str(stmt.loop_var.ty) != ity else stmt.loop_var
         c = lambda v: tirx.const(v, ity)  # noqa: E731
         kk = tirx.Cast(ity, k) if str(k.ty) != ity else k
-        spread = NEXT_PANEL_SPREAD if K % NEXT_PANEL_SPREAD == 0 else 1
-        line = tirx.floormod(mo, c(rows * spread)) * c(K // spread) + tirx.floordiv(kk, c(spread))
+        tiles = tirx.Cast(ity, stmt.extent) if str(stmt.extent.ty) != ity else stmt.extent
+        line = next_panel_line(mo, kk, tiles, rows, K)
         idx = base + c(int(panel)) - kk * c(pn) + line * c(per_line)  # the next panel's line
         target = tirx.BufferLoad(ld.source, list(ld.indices[:-1]) + [idx])
         hint = tirx.Evaluate(common.prefetch_l2(tirx.address_of(target), locality=2))

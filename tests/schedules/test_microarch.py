@@ -191,3 +191,27 @@ def test_gemm_next_panel_prefetch_and_k_blocks_follow_the_cpu_row(cpu):
     for loop in (small, large):
         assert len(re.findall(r"\bprefetcht1\b", loop)) == 1, loop
     assert len(re.findall(r"\bprefetcht0\b", small)) == row.gemm_float32[0][1]
+
+
+@pytest.mark.parametrize("rows, K", [(4, 2048), (3, 768), (4, 1408), (4, 770)])
+def test_next_panel_prefetch_covers_the_panel_at_any_row_count(rows, K):
+    """The lines that a call's row tiles prefetch of the next panel (pipeline.next_panel_line,
+    R = `rows` lines per k step) cover it whole wherever the call has R row tiles or more: a
+    64-token prefill's 11 tiles of 6x4 as well as a 128-token one's 22 (with a fixed spread
+    of 4, 11 tiles had covered only 11/16 of it), and never name a line past it."""
+    import numpy as np
+    from tvm import te
+
+    from schedules.cpu import pipeline
+
+    n = tvm.tirx.Var("n", "int64")
+    lines = te.compute((n, K), lambda mo, k: pipeline.next_panel_line(mo, k, n, rows, K),
+                       name="lines")
+    f = tvm.compile(te.create_prim_func([lines]), target="llvm")
+    for tiles in sorted({1, rows - 1, rows, 2 * rows - 1, 2 * rows, 11, 22, 4 * rows + 3} - {0}):
+        out = tvm.runtime.tensor(np.zeros((tiles, K), "int64"))
+        f(out)
+        got = out.numpy()
+        assert got.min() >= 0 and got.max() < rows * K
+        if tiles >= rows:
+            assert np.unique(got).size == rows * K, (tiles, rows * K - np.unique(got).size)

@@ -1,0 +1,112 @@
+#!/usr/bin/env python
+"""What our float32 prefill micro-kernel design reaches on this CPU without TVM: the ceiling a
+GEMM kernel figure is judged against (AVX-512 CPUs).
+
+Compiles scripts/gemm_ceiling.c (the 6x4-zmm register tile of schedules/cpu/gemm.py over a
+packed 64-wide panel, written by hand) with the system C compiler and runs one copy per thread
+at once (--threads, one process each: no shared thread pool), each timing a walk over --panels
+panels of K x 64 floats against --rows rows of activations, hot (the same panels again) and
+cold (fresh panels of a 700 MiB buffer each round), for each next-panel prefetch spread
+(--spreads: 0 none, S = over the first S row tiles, -1 = over all of them). In the same run,
+torch's sgemm probe (2048^3, best of 5, as scripts/bench.py) and torch's GEMM at the shape
+(rows x K x 64 panels). Prints GFLOP/s of all copies together and their share of the probe.
+
+    python scripts/bench_gemm_ceiling.py [--k 2048] [--rows 60] [--panels 88] [--threads 2]
+                                         [--spreads 0,16,8,-1]
+
+Rows are rounded down to a multiple of 6 (whole row tiles); --panels x 64 is the N walked per
+timed call of each copy.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def compile_kernel(workdir: str) -> str:
+    """The compiled gemm_ceiling binary (cc -O3 -march=native), or SystemExit(2) with the
+    reason where there is no compiler or no AVX-512."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        raise SystemExit("bench_gemm_ceiling: no C compiler found: install gcc or set CC")
+    exe = os.path.join(workdir, "gemm_ceiling")
+    done = subprocess.run([cc, "-O3", "-march=native", "-o", exe,
+                           os.path.join(HERE, "gemm_ceiling.c")], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit("bench_gemm_ceiling: compiling gemm_ceiling.c failed (it needs an "
+                         f"AVX-512 CPU): {done.stderr.strip().splitlines()[-1:]}")
+    return exe
+
+
+def torch_figures(threads: int, rows: int, K: int, N: int) -> tuple:
+    """(sgemm probe GFLOP/s, torch GEMM GFLOP/s at rows x K x N), best of 5 each."""
+    import torch
+
+    torch.set_num_threads(threads)
+
+    def best(m, k, n, reps):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        a @ b
+        top = 0.0
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                a @ b
+            top = max(top, 2 * m * k * n * reps / (time.perf_counter() - t0) / 1e9)
+        return top
+
+    return best(2048, 2048, 2048, 1), best(rows, K, N, 5)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--k", type=int, default=2048)
+    p.add_argument("--rows", type=int, default=60)
+    p.add_argument("--panels", type=int, default=88)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--spreads", default="0,16,8,-1")
+    args = p.parse_args(argv)
+    rows = args.rows // 6 * 6
+    if rows < 6 or args.k < 1 or args.panels < 1 or args.threads < 1:
+        print("bench_gemm_ceiling: --rows must be at least 6, --k, --panels and --threads at "
+              "least 1", file=sys.stderr)
+        return 2
+    spreads = [s.strip() for s in args.spreads.split(",") if s.strip()]
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = compile_kernel(tmp)
+        cmd = [exe, str(args.k), str(rows), str(args.panels)] + spreads
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(args.threads)]
+        outs = [pr.communicate() for pr in procs]
+    for pr, (_, err) in zip(procs, outs):
+        if pr.returncode != 0:
+            print(f"bench_gemm_ceiling: {err.strip()}", file=sys.stderr)
+            return 2
+    probe, torch_shape = torch_figures(args.threads, rows, args.k, 64 * args.panels)
+    per = {}  # spread -> [(hot, cold) per copy]
+    for out, _ in outs:
+        for line in out.split("\n"):
+            if line.strip():
+                s, hot, cold = line.split()
+                per.setdefault(s, []).append((float(hot), float(cold)))
+    print(f"# {args.threads} copies at once, K={args.k}, rows={rows}, {args.panels} panels of 64 "
+          f"per walk; torch sgemm probe {probe:.0f} GFLOP/s, torch at {rows}x{args.k}x"
+          f"{64 * args.panels} {torch_shape:.0f} GFLOP/s ({torch_shape / probe:.2f} of the probe)")
+    print(f"{'spread':>8} {'hot GF/s':>10} {'(probe)':>8} {'cold GF/s':>10} {'(probe)':>8}")
+    for s in spreads:
+        hot = sum(h for h, _ in per[s])
+        cold = sum(c for _, c in per[s])
+        name = {"0": "none", "-1": "all"}.get(s, s)
+        print(f"{name:>8} {hot:10.0f} {hot / probe:8.2f} {cold:10.0f} {cold / probe:8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,9 +3,10 @@
 
 Each variant names overrides of the row's fields (schedules/cpu/microarch.py TileRow, e.g.
 ``gemm_next_panel_bytes=0`` turns the next-panel prefetch off, ``gemm_k_block_bytes=0`` the k
-blocks) or ``spread=S`` (pipeline.NEXT_PANEL_SPREAD) or ``min_k=K`` (gemm.MIN_K_BLOCK) or ``adaptive=0`` (pipeline.NEXT_PANEL_ADAPTIVE); an empty variant is the row as it is.
-Every variant's kernels are compiled in this process, then each round times each linear of
-the --shape's linears (qkv, o, gate_up, down; llama-1b by default) at --rows rows, cold (the packed weight rotated
+blocks), ``spread=S`` (pipeline.NEXT_PANEL_SPREAD) or ``min_k=K`` (gemm.MIN_K_BLOCK); an
+empty variant is the row as it is. Every variant's kernels are compiled in this process, then
+each round times each of the --shape's linears (qkv, o, gate_up, down; llama-1b by default;
+"l2": two whose weights stay in a 2 MiB L2) at --rows rows, cold (the packed weight rotated
 over copies past the last-level cache, as a prefill meets it) and hot (one copy), the order
 reversed every other round; prints the median GFLOP/s of each. Only figures of one run
 compare.
@@ -55,12 +56,10 @@ def build(shapes, fields: dict):
     from schedules.cpu import cpu_schedule_pass, gemm, microarch, pipeline
 
     row, spread, min_k = microarch.tile_row, pipeline.NEXT_PANEL_SPREAD, gemm.MIN_K_BLOCK
-    adaptive = pipeline.NEXT_PANEL_ADAPTIVE
-    overrides = {k: v for k, v in fields.items() if k not in ("spread", "min_k", "adaptive")}
+    overrides = {k: v for k, v in fields.items() if k not in ("spread", "min_k")}
     microarch.tile_row = lambda t: dataclasses.replace(row(t), **overrides)
     pipeline.NEXT_PANEL_SPREAD = fields.get("spread", spread)
     gemm.MIN_K_BLOCK = fields.get("min_k", min_k)
-    pipeline.NEXT_PANEL_ADAPTIVE = bool(fields.get("adaptive", adaptive))
     try:
         target = workloads.host_target(int(os.environ.get("TVM_NUM_THREADS", "2")))
         mod = workloads.linear_suite([dict(name=n, K=k, N=nn, mode="prefill")
@@ -73,7 +72,6 @@ def build(shapes, fields: dict):
         ex = tvm.compile(mod, target=target, tir_pipeline=pipeline.cpu_tir_pipeline())
     finally:
         microarch.tile_row, pipeline.NEXT_PANEL_SPREAD, gemm.MIN_K_BLOCK = row, spread, min_k
-        pipeline.NEXT_PANEL_ADAPTIVE = adaptive
     return relax.VirtualMachine(ex, tvm.cpu())
 
 

@@ -51,23 +51,20 @@ PREFETCH_AHEAD = "tvm_llm.prefetch_ahead"
 # :func:`row_tile_loops` makes prefetch the next panel into L2 (see
 # :func:`_next_panel_prefetched`)
 NEXT_PANEL = "tvm_llm.next_panel"
-# ... spread over this many times R row tiles (each prefetching one line every this many k
-# steps; a 64-token prefill has 8 row tiles of 8x3, 11 of 6x4). Kernels on an Intel Xeon, 2
-# threads, cold weights (scripts/ab_prefill_kernels.py), llama-1b qkv / gate_up at 64 rows,
-# spread 1 -> 4: 269 / 259 -> 296 / 284 GFLOP/s (2 and 3 alike); at 128 rows 313 / 307 ->
-# 328 / 353; without the prefetch (other runs) 230 / 236-240 at 64 rows
-NEXT_PANEL_SPREAD = 4  # a power of two
-# ... or, for a call with fewer than R x NEXT_PANEL_SPREAD row tiles, the largest power of two
-# S whose R S tiles it has, chosen at run time (:func:`next_panel_line`), so that a 64-token
-# prefill's 11 tiles of 6x4 cover the whole next panel (with S = 4: 11/16 of it). Same Xeon,
-# 2 threads, cold weights, 12 interleaved rounds (scripts/ab_prefill_kernels.py new:
-# fixed4:adaptive=0), llama-1b at 64 rows: qkv / o / gate_up / down 302 / 301 / 301 / 287 ->
-# 303 / 307 / 313 / 294 GFLOP/s; at 128 rows (S = 4 either way) equal within the noise; the
-# whole llama-1b prefill of 64 tokens (scripts/ab_decode.py --prefill 64) 0.991x the time
-# (rounds 0.955-1.042). A C copy of the micro-kernel streaming cold panels at 60 rows, two
-# processes at once, agreed: 8 row tiles covering the panel 158-164 GFLOP/s a core, 16 (S = 4)
-# 149-160, 4 (two lines a k step) 141-145. False: always NEXT_PANEL_SPREAD (A/B runs)
-NEXT_PANEL_ADAPTIVE = True
+# ... spread over at most this many times R row tiles (each prefetching one line every this
+# many k steps; a 64-token prefill has 8 row tiles of 8x3, 11 of 6x4), over all of a call's
+# row tiles where it has fewer (:func:`next_panel_line`). Kernels on an Intel Xeon, 2 threads,
+# cold weights (scripts/ab_prefill_kernels.py), llama-1b qkv / gate_up at 64 rows, spread 1
+# -> 4 over a fixed 4R tiles: 269 / 259 -> 296 / 284 GFLOP/s (2 and 3 alike); at 128 rows 313
+# / 307 -> 328 / 353; without the prefetch (other runs) 230 / 236-240 at 64 rows. A 64-token
+# prefill's 11 tiles of 6x4 had covered only 11/16 of the next panel so; spread over the 11,
+# 10 interleaved rounds at 64 rows, qkv / o / gate_up / down 294 / 283 / 286 / 288 -> 304 /
+# 304 / 296 / 299 GFLOP/s against spreading over the largest power of two times R tiles the
+# call has (8), and the whole 64-token llama-1b prefill (scripts/ab_decode.py --prefill 64,
+# three builds interleaved) took 0.965x the time of that (rounds 0.933-0.997), which itself
+# took 1.000x the fixed 4R's. The C copy of the kernel (scripts/bench_gemm_ceiling.py, cold,
+# 60 rows) agreed: over all 10 tiles 305 GFLOP/s, 8 tiles 297, 16 (the fixed 4R) 290.
+NEXT_PANEL_SPREAD = 4
 # A loop annotation: the k loop of a register-tile micro-kernel, whose partial row tile
 # (symbolic M) :func:`row_tile_loops` computes without branches
 ROW_TILE_LOOP = "tvm_llm.row_tile_loop"
@@ -185,21 +182,19 @@ def _panel_load(stmt):
 
 
 def next_panel_line(mo, k, tiles, rows: int, K: int):
-    """The line of the next panel that row tile `mo` of `tiles` prefetches at k step `k`
-    (PrimExprs of one integer type; `rows` = R lines per k step, `K` k steps): with spread S,
-    ``(mo % RS) K/S + k/S``. S is NEXT_PANEL_SPREAD where the call has R x NEXT_PANEL_SPREAD
-    row tiles or more, else the largest power of two S whose R S tiles it has (chosen at run
-    time, M being symbolic), so that the row tiles still cover the whole panel (1 where S
-    does not divide K)."""
+    """The line of the next panel that row tile `mo` of a call's `tiles` prefetches at k step
+    `k` (PrimExprs of one integer type; `rows` = R, the panel's lines per k step; `K` k
+    steps): the panel's R K lines are shared evenly among its first T = min(tiles, R x
+    NEXT_PANEL_SPREAD) row tiles, P = ceil(R K / T) lines each (at most K: one a k step), row
+    tile ``mo`` taking lines ``(mo % T) P + k P / K``. T is chosen at run time (M is
+    symbolic), so that a call with fewer row tiles still covers the whole panel (from R tiles
+    on); at R x NEXT_PANEL_SPREAD tiles or more it is one line every NEXT_PANEL_SPREAD k steps
+    per tile. A line past the panel (the rounding up) names its last line instead."""
     c = lambda v: tirx.const(v, str(k.ty))  # noqa: E731
-    top = NEXT_PANEL_SPREAD.bit_length() - 1 if K % NEXT_PANEL_SPREAD == 0 else 0
-    sh = c(0)  # log2 S
-    for b in range(1, top + 1):
-        sh = tirx.Select(tiles >= c(rows << b), c(b), sh)
-    if not NEXT_PANEL_ADAPTIVE:
-        sh = c(top)
-    return (tirx.floormod(mo, tirx.shift_left(c(rows), sh)) * tirx.shift_right(c(K), sh)
-            + tirx.shift_right(k, sh))
+    used = tirx.max(tirx.min(tiles, c(rows * NEXT_PANEL_SPREAD)), c(1))  # T
+    per = tirx.min(tirx.floordiv(c(rows * K) + used - c(1), used), c(K))  # P
+    line = tirx.floormod(mo, used) * per + tirx.floordiv(k * per, c(K))
+    return tirx.min(line, c(rows * K - 1))
 
 
 def _next_panel_prefetched(stmt):

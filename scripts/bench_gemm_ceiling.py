@@ -30,18 +30,21 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def compile_kernel(workdir: str) -> str:
-    """The compiled gemm_ceiling binary (cc -O3 -march=native), or SystemExit(2) with the
-    reason where there is no compiler or no AVX-512."""
+def compile_kernel(workdir: str) -> str | None:
+    """The compiled gemm_ceiling binary (cc -O3 -march=native), or None after printing why
+    (no C compiler, or a CPU without AVX-512)."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
-        raise SystemExit("bench_gemm_ceiling: no C compiler found: install gcc or set CC")
+        print("bench_gemm_ceiling: no C compiler found: install gcc or set CC", file=sys.stderr)
+        return None
     exe = os.path.join(workdir, "gemm_ceiling")
     done = subprocess.run([cc, "-O3", "-march=native", "-o", exe,
                            os.path.join(HERE, "gemm_ceiling.c")], capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit("bench_gemm_ceiling: compiling gemm_ceiling.c failed (it needs an "
-                         f"AVX-512 CPU): {done.stderr.strip().splitlines()[-1:]}")
+        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        print(f"bench_gemm_ceiling: compiling gemm_ceiling.c failed ({last}); it needs a CPU "
+              "with AVX-512", file=sys.stderr)
+        return None
     return exe
 
 
@@ -81,6 +84,8 @@ def main(argv=None) -> int:
     spreads = [s.strip() for s in args.spreads.split(",") if s.strip()]
     with tempfile.TemporaryDirectory() as tmp:
         exe = compile_kernel(tmp)
+        if exe is None:
+            return 2
         cmd = [exe, str(args.k), str(rows), str(args.panels)] + spreads
         procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for _ in range(args.threads)]

@@ -82,6 +82,11 @@ def main(argv=None) -> int:
               "least 1", file=sys.stderr)
         return 2
     spreads = [s.strip() for s in args.spreads.split(",") if s.strip()]
+    if not spreads or not all(s.lstrip("-").isdigit() and int(s) >= -1 for s in spreads):
+        print(f"bench_gemm_ceiling: --spreads takes a comma list of integers >= -1, not "
+              f"{args.spreads!r} (0: no next-panel prefetch, -1: over every row tile)",
+              file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         exe = compile_kernel(tmp)
         if exe is None:

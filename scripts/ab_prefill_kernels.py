@@ -27,14 +27,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-# (name, K, N) of each benchmark shape's linears (scripts/bench.py SHAPES)
-SHAPES = {
-    "llama-1b": [("qkv", 2048, 2560), ("o", 2048, 2048), ("gate_up", 2048, 11264),
-                 ("down", 5632, 2048)],
-    "llama-110m": [("qkv", 768, 1280), ("o", 768, 768), ("gate_up", 768, 4096),
-                   ("down", 2048, 768)],
-    "l2": [("l2_6x4", 768, 512), ("l2_8x3", 768, 384)],  # weights that stay in a 2 MiB L2
-}
+# weights that stay in a 2 MiB L2, one per float32 tile of the Intel row
+L2_LINEARS = [("l2_6x4", 768, 512), ("l2_8x3", 768, 384)]
+
+
+def linears(shape: str) -> list:
+    """(name, K, N) of the qkv, o, gate_up and down linears of a scripts/bench.py shape, or
+    L2_LINEARS for "l2"."""
+    if shape == "l2":
+        return L2_LINEARS
+    from bench import SHAPES
+
+    s = SHAPES[shape]
+    h, i = s["hidden_size"], s["intermediate_size"]
+    kv = s["num_key_value_heads"] * (h // s["num_attention_heads"])
+    return [("qkv", h, h + 2 * kv), ("o", h, h), ("gate_up", h, 2 * i), ("down", i, h)]
 
 
 def parse_variant(text: str):
@@ -80,7 +87,7 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("variants", nargs="+", help="NAME:field=value,... (NAME: alone = the row as is)")
     p.add_argument("--rows", type=int, default=64, help="prefill rows M")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
+    p.add_argument("--shape", choices=["llama-110m", "llama-1b", "l2"], default="llama-1b")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--only", default="", help="comma list of linears (qkv,o,gate_up,down)")
     p.add_argument("--cold-mb", type=int, default=1200, help="bytes of weight copies rotated")
@@ -89,7 +96,7 @@ def main(argv=None):
     import numpy as np
     import tvm
 
-    shapes = [s for s in SHAPES[args.shape] if not args.only or s[0] in args.only.split(",")]
+    shapes = [s for s in linears(args.shape) if not args.only or s[0] in args.only.split(",")]
     vms = {name: build(shapes, fields) for name, fields in map(parse_variant, args.variants)}
     dev, rng = tvm.cpu(), np.random.default_rng(0)
     for name, K, N in shapes:

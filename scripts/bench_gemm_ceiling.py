@@ -8,7 +8,7 @@ at once (--threads, one process each: no shared thread pool), each timing a walk
 panels of K x 64 floats against --rows rows of activations, hot (the same panels again) and
 cold (fresh panels of a 700 MiB buffer each round), for each next-panel prefetch spread
 (--spreads: 0 none, S = over the first S row tiles, -1 = over all of them). In the same run,
-torch's sgemm probe (2048^3, best of 5, as scripts/bench.py) and torch's GEMM at the shape
+scripts/bench.py's sgemm probe (torch, 2048^3, best of 5) and torch's GEMM at the shape
 (rows x K x 64 panels). Prints GFLOP/s of all copies together and their share of the probe.
 
     python scripts/bench_gemm_ceiling.py [--k 2048] [--rows 60] [--panels 88] [--threads 2]
@@ -49,23 +49,22 @@ def compile_kernel(workdir: str) -> str | None:
 
 
 def torch_figures(threads: int, rows: int, K: int, N: int) -> tuple:
-    """(sgemm probe GFLOP/s, torch GEMM GFLOP/s at rows x K x N), best of 5 each."""
+    """(scripts/bench.py's sgemm probe in GFLOP/s, torch's GEMM at rows x K x N, best of 5)."""
     import torch
 
+    from bench import machine_limits
+
+    probe = machine_limits(threads)["sgemm_GFLOP_s"]
     torch.set_num_threads(threads)
-
-    def best(m, k, n, reps):
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        a @ b
-        top = 0.0
+    a, b = torch.randn(rows, K), torch.randn(K, N)
+    a @ b
+    top = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
         for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                a @ b
-            top = max(top, 2 * m * k * n * reps / (time.perf_counter() - t0) / 1e9)
-        return top
-
-    return best(2048, 2048, 2048, 1), best(rows, K, N, 5)
+            a @ b
+        top = max(top, 2 * rows * K * N * 5 / (time.perf_counter() - t0) / 1e9)
+    return probe, top
 
 
 def main(argv=None) -> int:

@@ -199,14 +199,14 @@ def next_panel_line(mo, k, tiles, rows: int, K: int):
 
 def _next_panel_prefetched(stmt):
     """A row-tile loop annotated NEXT_PANEL whose k loop also prefetches (into L2) one line of
-    the next packed panel every S k steps: row tile ``mo`` takes lines ``(mo % RS) K/S + k/S``
-    of it, so R S row tiles cover the whole panel (R: the panel's lines per k step; the S
-    neighbouring k steps that name the same line prefetch it once more, from L2; S:
-    :func:`next_panel_line`, at most NEXT_PANEL_SPREAD). Without it the first row tile of a
-    panel reads the panel from DRAM, three or four lines per k step, faster than one core's
-    share of the memory bus, while the other row tiles reread it from L2 with the bus idle;
-    spread so, the next panel's stream overlaps the row tiles' compute. A prefill of fewer
-    than R row tiles leaves the rest of the next panel to that panel's first row tile."""
+    the next packed panel, :func:`next_panel_line` of it: the call's first min(row tiles, R x
+    NEXT_PANEL_SPREAD) row tiles share the panel evenly (R: the panel's lines per k step;
+    neighbouring k steps that name the same line prefetch it once more, from L2). Without it
+    the first row tile of a panel reads the panel from DRAM, three or four lines per k step,
+    faster than one core's share of the memory bus, while the other row tiles reread it from
+    L2 with the bus idle; spread so, the next panel's stream overlaps the row tiles' compute.
+    A prefill of fewer than R row tiles leaves the rest of the next panel to that panel's
+    first row tile."""
     panel = stmt.annotations.get(NEXT_PANEL) if isinstance(stmt, tirx.For) else None
     if panel is None:
         return stmt

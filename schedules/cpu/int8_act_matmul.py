@@ -30,12 +30,11 @@ reference's stored arrays), per 16 output rows (a tile) and group g of 32 inputs
            high nibbles = tile 2c+1; tile t byte i*4+k = row i, input 32g + 4t + k, unsigned
            (q4_0 stores q + 8, q4_1 / q4_k their q in [0, 15])
     8-bit  wp[N/16, K/32, 8, 64] uint8: tile t byte i*4+k, q + 128 (q8_0)
-    3, 5, 6-bit (q3_k, q5_k, q6_k)  wp[N/16, K/32, bits, 64] uint8: the codes' bit planes
-           (scheme.PLANES), lowest bits first; a plane of width w holds the 8 tiles in w
-           chunks, tile t in chunk t // (8 / w) at bits w * (t % (8 / w)) (5 and 6 bits: the
-           4-bit layout's 4 nibble chunks, then 1 or 2 chunks of the top bits; 3 bits: 2
-           chunks of the low 2 bits, 1 of the top bit). Unpacking a tile is a shift and a mask
-           per plane and an OR (weight_tiles); q3_k / q5_k / q6_k carry q4_k's lo, hi, d, dmin
+    3, 5, 6-bit (q3_k, q5_k, q6_k)  wp[N/16, K/32, bits, 64] uint8: each code's bits where
+           scheme.FIELDS puts them: whole codes from each chunk's bit 0 (2 a chunk for 3-bit
+           codes, 1 for 5 and 6-bit), the 2 tiles left over split over the chunks' spare top
+           bits. Unpacking a tile is a shift and a mask per field, ORed (weight_tiles); q3_k /
+           q5_k / q6_k carry q4_k's lo, hi, d, dmin
     q8_0, q4_0: d[N/16, K/32, 16] float16; q4_1: d, m[N/16, K/32, 16] float16;
     q4_k: lo[N/16, K/32, 16] uint8 = sc & 15 | (mn & 15) << 4 per group, hi[N/16, ceil(K/64), 16]
           uint8 = the top 2 + 2 bits (sc >> 4 | (mn >> 4) << 2) of group 2p in bits 0-3 and of
@@ -234,7 +233,7 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     dot: the instructions of the group dot products, one of DOT_ISAS (see "Without VNNI").
     decode_prefetch: one of DECODE_PREFETCH, what decode prefetches of each group with VNNI."""
     from tvm_llm.quantization.formats import ACTIVATION_QMAX, super_groups
-    from tvm_llm.quantization.scheme import PLANES
+    from tvm_llm.quantization.scheme import FIELDS
 
     if act_bits not in ACTIVATION_QMAX:
         raise ValueError(f"int8-activation matmul takes 8 or 16-bit activations, not {act_bits}")
@@ -261,7 +260,7 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     f16 = "float16"
     xo_dtype = "int32" if kind == "sym" else "float32"
     pf_groups = PREFETCH_BYTES // (C * 64)
-    nibble_planes = fmt.bits < 8  # codes of 3-6 bits in bit planes (scheme.PLANES)
+    nibble_planes = fmt.bits < 8  # codes of 3-6 bits in fields of chunks (scheme.FIELDS)
     split8 = dot != "vnni" and not nibble_planes  # 8-bit weights without VNNI: dot products per nibble
     # without VNNI: tiles whose vpmaddubsw int16 pairs can be added before widening (a pair is
     # <= 2 x code max x 128: 8 tiles for 3 and 4-bit codes, 4 for 5-bit, 2 for 6-bit)
@@ -312,21 +311,21 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
 
     def weight_tiles(wp, nt, g):
         """The group's 8 VNNI tiles of 16 rows as unsigned byte vectors, one expression each,
-        from its bit planes (scheme.PLANES: 4-bit codes are a chunk's low and high nibbles,
-        3, 5 and 6-bit codes OR two planes); 8-bit weights without VNNI: their 8 low-nibble
+        from their fields (scheme.FIELDS: 4-bit codes are a chunk's low and high nibbles,
+        3, 5 and 6-bit codes OR one or two fields); 8-bit weights without VNNI: their 8 low-nibble
         tiles, then their 8 high-nibble tiles. A chunk's load is one expression shared by its
         tiles (LLVM merges the identical loads)."""
         chunks = [wp[nt, g, c, T.Ramp(0, 1, 64)] for c in range(C)]
         if not nibble_planes:
             return [low_nibbles(t) for t in chunks] + [high_nibbles(t) for t in chunks] if split8 else chunks
-        tiles = [None] * 8
-        c0 = shift = 0
-        for w in PLANES[fmt.bits]:
-            per = 8 // w
-            for t in range(8):
-                part = field(chunks[c0 + t // per], w * (t % per), w, shift)
-                tiles[t] = part if tiles[t] is None else T.bitwise_or(tiles[t], part)
-            c0, shift = c0 + w, shift + w
+        tiles = []
+        for pieces in FIELDS[fmt.bits]:
+            tile, shift = None, 0
+            for c, pos, w in pieces:
+                part = field(chunks[c], pos, w, shift)
+                tile = part if tile is None else T.bitwise_or(tile, part)
+                shift += w
+            tiles.append(tile)
         return tiles
 
     @T.macro

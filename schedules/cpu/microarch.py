@@ -153,7 +153,7 @@ class TileRow:
 
     def int8_prefetch(self, weight_bits: int) -> str:
         """The int8-activation decode's prefetch for weights of `weight_bits` (3-6: the
-        4-bit choice, for codes in bit planes; 8)."""
+        4-bit choice, for codes of 3-6 bits in fields of chunks; 8)."""
         if weight_bits < 8 and self.int8_decode_prefetch_4bit:
             return self.int8_decode_prefetch_4bit
         return self.int8_decode_prefetch

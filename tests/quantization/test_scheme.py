@@ -13,8 +13,8 @@ from tvm_llm.errors import UserError
 from tvm_llm.passes.quantize_linear import emit_quantized_matmul
 from tvm_llm.quantization import kernels
 from tvm_llm.quantization.formats import FORMATS, fake_quantize_activation
-from tvm_llm.quantization.scheme import (pack_vnni, packed_shapes, parse_scheme, stored_bits, stored_np,
-                                         unpack_kquant_codes, unpack_planes)
+from tvm_llm.quantization.scheme import (FIELDS, pack_fields, pack_vnni, packed_shapes, parse_scheme, stored_bits,
+                                         stored_np, unpack_fields, unpack_kquant_codes)
 from tvm_llm.targets import get_target
 
 
@@ -214,17 +214,23 @@ def test_vnni_layout_holds_unsigned_values_in_tiles():
         sc, mn = unpack_kquant_codes(lo.transpose(0, 2, 1), hi.transpose(0, 2, 1), K // 32)
         assert np.array_equal(sc.reshape(48, -1), stk["sc"]) and np.array_equal(mn.reshape(48, -1), stk["mn"])
         assert stk["sc"].max() > 15 and stk["mn"].max() > 15  # the top bits are exercised
-    # q3_k / q5_k / q6_k: the codes in bit planes (unpack_planes: what the kernel ORs back), the
+    # q3_k / q5_k / q6_k: the codes in fields of chunks (unpack_fields: what the kernel ORs back), the
     # same tile order; row 17, input 32 + 4*3 + 2 is tile 3's byte 1*4+2 of tile row 1, group 1
     for name, chunks in (("q3_k", 3), ("q5_k", 5), ("q6_k", 6)):
         fp = FORMATS[name]
         stp = fp.quantize(w)
         wpp = pack_vnni(fp, stp)[0]
         assert wpp.shape == (3, 6, chunks, 64) and wpp.dtype == np.uint8
-        codes = unpack_planes(wpp, fp.bits)
+        codes = unpack_fields(wpp, fp.bits)
         assert codes[1, 1, 3, 1 * 4 + 2] == stp["q"][17, 32 + 14] and codes.max() == stp["q"].max()
         assert np.array_equal(codes.reshape(3, 6, 8, 16, 4).transpose(0, 3, 1, 2, 4).reshape(48, 192), stp["q"])
         assert stp["q"].max() >= 1 << (fp.bits - 1)  # the top plane is exercised
+    # every width's fields fill its chunks exactly: all-ones codes give all-ones chunks, and
+    # any code comes back (no two fields share a bit)
+    for bits in FIELDS:
+        assert np.all(pack_fields(np.full((8, 64), (1 << bits) - 1, np.uint8), bits) == 255)
+        codes = np.random.default_rng(bits).integers(0, 1 << bits, (2, 8, 64)).astype(np.uint8)
+        assert np.array_equal(unpack_fields(pack_fields(codes, bits), bits), codes)
     assert stored_bits("q4_k", 48, 256, "vnni") == 4.5 and stored_bits("q4_k", 48, 256, "rows") == 6.0
     assert stored_bits("q6_k", 48, 256, "vnni") == 6.5 and stored_bits("q6_k", 48, 256, "rows") == 10.0
     assert stored_bits("q4_k", 48, 96, "vnni") == 4 + (3 + 2) * 8 / 96 + 32 / 96  # S = 3, padded hi

@@ -28,9 +28,9 @@ Kernel layouts (`pack`), packed from the canonical stored arrays of formats.Weig
             stay float16 (q4_k: its 6-bit sc and mn packed at 12 bits per group, pack_kquant_codes,
             and float16 d, dmin per super-block), so this layout stores the formats' nominal bits
             (q4_k 4.5 for K a multiple of 256); "rows" stores q4_k at 6.0 (stored_bits).
-            Codes of other widths than 4 and 8 are split into bit planes (PLANES: q3_k a 2-bit
-            and a 1-bit plane, q5_k / q6_k the nibble plane and a 1 / 2-bit plane), each plane
-            of width w holding a group's 8 tiles in w 64-byte chunks (vnni_chunks).
+            A group's 8 tiles of 16 rows take `bits` 64-byte chunks (vnni_chunks); FIELDS says
+            where each code bit lies: whole codes where they fit, the rest in the chunks'
+            spare top bits.
 """
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ def pack_vnni(fmt: WeightFormat, st: dict) -> list:
     else:
         u = q.astype(np.uint8)
     tiles = u.reshape(NT, TILE_N, NG, 8, 4).transpose(0, 2, 3, 1, 4).reshape(NT, NG, 8, 64)
-    out = [np.ascontiguousarray(pack_planes(tiles, fmt.bits))]
+    out = [np.ascontiguousarray(pack_fields(tiles, fmt.bits))]
 
     def per_tile(a):  # (N, G) -> (N/16, G, 16)
         return np.ascontiguousarray(a.reshape(NT, TILE_N, a.shape[1]).transpose(0, 2, 1))
@@ -179,49 +179,68 @@ def pack_vnni(fmt: WeightFormat, st: dict) -> list:
     return out + [per_tile(st[k]) for k in keys]
 
 
-# bit planes of the "vnni" layout per code width, lowest bits first: a plane of width w packs
-# the group's 8 tiles into w chunks of 64 bytes, 8 / w tiles per chunk (tile t in chunk t // (8 / w)
-# at bits w * (t % (8 / w))). 8-bit codes are the tiles themselves.
-PLANES = {3: (2, 1), 4: (4,), 5: (4, 1), 6: (4, 2), 8: (8,)}
+def _code_fields(bits: int) -> tuple:
+    """FIELDS[bits]: chunk c holds 8 // bits whole codes from bit 0 (tiles in chunk order);
+    the tiles left over are split over the chunks' spare top bits, in chunk order, lowest
+    code bits first."""
+    per = 8 // bits
+    tiles = [((c, s * bits, bits),) for c in range(bits) for s in range(per)]
+    spare = [[c, per * bits] for c in range(bits) if per * bits < 8]  # (chunk, first free bit)
+    while len(tiles) < 8:
+        pieces, need = [], bits
+        while need:
+            c, pos = spare[0]
+            w = min(need, 8 - pos)
+            pieces.append((c, pos, w))
+            need -= w
+            if pos + w == 8:
+                spare.pop(0)
+            else:
+                spare[0][1] = pos + w
+        tiles.append(tuple(pieces))
+    return tuple(tiles)
+
+
+# where each code bit of a group's 8 tiles lies in the "vnni" layout, per code width: for tile
+# t, FIELDS[bits][t] lists its pieces lowest bits first, each (chunk, bit position, width) in
+# the group's `bits` chunks of 64 bytes (byte i of a chunk belongs to byte i of every tile).
+# Codes lie whole where they fit (_code_fields), so that most tiles unpack with one mask, or
+# one shift and a mask, and the rest OR 2-3 such fields: per group 12 vector instructions for
+# 3-bit codes, 14 for 6-bit and 15 for 5-bit, against 24 when the top bits lay in a separate
+# bit plane (every tile then two fields and an OR). 3 bits: chunk 0 holds tiles 0 (bits 0-2)
+# and 1 (3-5), chunk 1 tiles 2, 3, chunk 2 tiles 4, 5; tile 6 is chunk 0's bits 6-7 and chunk
+# 1's bit 6, tile 7 chunk 1's bit 7 and chunk 2's bits 6-7. 6 bits: tile c in chunk c's bits
+# 0-5, tiles 6 and 7 in the top 2 bits of chunks 0-2 and 3-5. 4 bits: the nibbles.
+FIELDS = {bits: _code_fields(bits) for bits in (3, 4, 5, 6, 8)}
 
 
 def vnni_chunks(bits: int) -> int:
     """64-byte chunks per group of 32 and tile of 16 rows for codes of `bits` (= bits)."""
-    return sum(PLANES[bits])
+    return bits
 
 
-def pack_planes(tiles: np.ndarray, bits: int) -> np.ndarray:
-    """(..., 8, 64) uint8 tiles of `bits`-bit codes -> (..., vnni_chunks(bits), 64) uint8, plane by
-    plane (PLANES)."""
+def pack_fields(tiles: np.ndarray, bits: int) -> np.ndarray:
+    """(..., 8, 64) uint8 tiles of `bits`-bit codes -> (..., vnni_chunks(bits), 64) uint8, each
+    code's bits where FIELDS puts them."""
     tiles = tiles.astype(np.uint8)
-    if bits == 8:
-        return tiles
-    chunks, shift = [], 0
-    for w in PLANES[bits]:
-        per = 8 // w
-        field = (tiles >> shift) & ((1 << w) - 1)
-        for c in range(w):
-            byte = np.zeros(tiles.shape[:-2] + (64,), np.uint8)
-            for s in range(per):
-                byte |= (field[..., c * per + s, :] << (w * s)).astype(np.uint8)
-            chunks.append(byte)
-        shift += w
-    return np.stack(chunks, axis=-2)
+    chunks = np.zeros(tiles.shape[:-2] + (vnni_chunks(bits), 64), np.uint8)
+    for t, pieces in enumerate(FIELDS[bits]):
+        shift = 0
+        for c, pos, w in pieces:
+            chunks[..., c, :] |= (((tiles[..., t, :] >> shift) & ((1 << w) - 1)) << pos).astype(np.uint8)
+            shift += w
+    return chunks
 
 
-def unpack_planes(chunks: np.ndarray, bits: int) -> np.ndarray:
-    """pack_planes' inverse: (..., vnni_chunks(bits), 64) -> (..., 8, 64) uint8 codes (the numpy
+def unpack_fields(chunks: np.ndarray, bits: int) -> np.ndarray:
+    """pack_fields' inverse: (..., vnni_chunks(bits), 64) -> (..., 8, 64) uint8 codes (the numpy
     statement of what the int8-activation kernel unpacks)."""
-    if bits == 8:
-        return chunks
     tiles = np.zeros(chunks.shape[:-2] + (8, 64), np.uint8)
-    c0 = shift = 0
-    for w in PLANES[bits]:
-        per = 8 // w
-        for t in range(8):
-            tiles[..., t, :] |= ((chunks[..., c0 + t // per, :] >> (w * (t % per))) & ((1 << w) - 1)) << shift
-        c0 += w
-        shift += w
+    for t, pieces in enumerate(FIELDS[bits]):
+        shift = 0
+        for c, pos, w in pieces:
+            tiles[..., t, :] |= (((chunks[..., c, :] >> pos) & ((1 << w) - 1)) << shift).astype(np.uint8)
+            shift += w
     return tiles
 
 

@@ -205,12 +205,14 @@ def _code_fields(bits: int) -> tuple:
 # t, FIELDS[bits][t] lists its pieces lowest bits first, each (chunk, bit position, width) in
 # the group's `bits` chunks of 64 bytes (byte i of a chunk belongs to byte i of every tile).
 # Codes lie whole where they fit (_code_fields), so that most tiles unpack with one mask, or
-# one shift and a mask, and the rest OR 2-3 such fields: per group 12 vector instructions for
-# 3-bit codes, 14 for 6-bit and 15 for 5-bit, against 24 when the top bits lay in a separate
-# bit plane (every tile then two fields and an OR). 3 bits: chunk 0 holds tiles 0 (bits 0-2)
-# and 1 (3-5), chunk 1 tiles 2, 3, chunk 2 tiles 4, 5; tile 6 is chunk 0's bits 6-7 and chunk
-# 1's bit 6, tile 7 chunk 1's bit 7 and chunk 2's bits 6-7. 6 bits: tile c in chunk c's bits
-# 0-5, tiles 6 and 7 in the top 2 bits of chunks 0-2 and 3-5. 4 bits: the nibbles.
+# one shift and a mask, and the rest OR 2-3 such fields; in bit planes (the nibbles, then the
+# top bits) every tile took two fields and an OR. LLVM's AVX-512 code for q3_k unpacks a group
+# in 15 vector instructions against 28 in planes; on an Intel Xeon (model 167), hot weights,
+# one thread (scripts/bench_int8_kernel.py --threads 1 --clock cpu), decode ran q3_k 13-28%,
+# q5_k 10-18% and q6_k 1-18% faster by linear. 3 bits: chunk 0 holds tiles 0 (bits 0-2) and 1
+# (3-5), chunk 1 tiles 2, 3, chunk 2 tiles 4, 5; tile 6 is chunk 0's bits 6-7 and chunk 1's bit
+# 6, tile 7 chunk 1's bit 7 and chunk 2's bits 6-7. 6 bits: tile c in chunk c's bits 0-5,
+# tiles 6 and 7 in the top 2 bits of chunks 0-2 and 3-5. 4 bits: the nibbles.
 FIELDS = {bits: _code_fields(bits) for bits in (3, 4, 5, 6, 8)}
 
 

@@ -56,7 +56,10 @@ U = a q4_k super-block, else the largest divisor of K/32 up to 8): each group is
 expression, so the weight tiles, the int32 dot products and the float terms stay in registers
 (local buffers had become memory in the build's pipeline: every group stored and reloaded its
 tiles, coefficients and accumulator), and each tile's 16 sums accumulate directly in y (a local
-accumulator per tile had become a workspace allocation per tile). With hot weights one core
+accumulator per tile had become a workspace allocation per tile). k-quants add V groups of a
+super-block per statement instead (block_sum: d and dmin applied once to their sums, V * the
+group's 64-byte chunks <= DECODE_BURST_LINES; q3_k 8 groups, q4_k / q5_k / q6_k 4), their
+prefetches (below) issued together before it. With hot weights one core
 runs ~1.4 G vpdpbusd/s (the VNNI issue rate is the compute bound); with cold weights the
 kernel is bound by memory.
 
@@ -209,6 +212,10 @@ GROUP = 32
 # (vpmaddubsw + vpmaddwd); the target picks (targets/llvm.py int8_dot_isa)
 DOT_ISAS = ("vnni", "avx512bw", "avx2")
 PREFETCH_BYTES = 8192  # weights prefetched this far ahead into L2 (measured best of 1-64 KiB)
+# k-quant decode: the most prefetched lines issued together before one statement (block_sum):
+# on an Intel Xeon (model 167) whole super-blocks as one statement (q4_k: 32 lines) ran 8-10%
+# slower than a statement per group, and blocks of at most 24 lines 1-9% faster
+DECODE_BURST_LINES = 24
 # decode's prefetch per group with VNNI: the first 64-byte line into L2, every line into L2, or
 # every line into L1 (per CPU: microarch.TileRow.int8_decode_prefetch); without VNNI always
 # every line into L2
@@ -233,7 +240,7 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     dot: the instructions of the group dot products, one of DOT_ISAS (see "Without VNNI").
     decode_prefetch: one of DECODE_PREFETCH, what decode prefetches of each group with VNNI."""
     from tvm_llm.quantization.formats import ACTIVATION_QMAX, super_groups
-    from tvm_llm.quantization.scheme import FIELDS
+    from tvm_llm.quantization.scheme import field_pieces
 
     if act_bits not in ACTIVATION_QMAX:
         raise ValueError(f"int8-activation matmul takes 8 or 16-bit activations, not {act_bits}")
@@ -318,14 +325,10 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
         chunks = [wp[nt, g, c, T.Ramp(0, 1, 64)] for c in range(C)]
         if not nibble_planes:
             return [low_nibbles(t) for t in chunks] + [high_nibbles(t) for t in chunks] if split8 else chunks
-        tiles = []
-        for pieces in FIELDS[fmt.bits]:
-            tile, shift = None, 0
-            for c, pos, w in pieces:
-                part = field(chunks[c], pos, w, shift)
-                tile = part if tile is None else T.bitwise_or(tile, part)
-                shift += w
-            tiles.append(tile)
+        tiles = [None] * 8
+        for t, c, pos, w, shift in field_pieces(fmt.bits):
+            part = field(chunks[c], pos, w, shift)
+            tiles[t] = part if tiles[t] is None else T.bitwise_or(tiles[t], part)
         return tiles
 
     @T.macro
@@ -462,6 +465,35 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
             main = main + T.Cast("float32x16", p1[nt, g, T.Ramp(0, 1, TILE_N)]) * T.Broadcast(xo[0, g], TILE_N)
         return main
 
+    # decode, k-quants: V groups of a super-block per statement (block_sum), their prefetches
+    # together before it, at most DECODE_BURST_LINES lines
+    V = next(v for v in range(U, 0, -1) if U % v == 0 and v * C <= DECODE_BURST_LINES)
+
+    def block_sum(wp, p0, p1, xq, xs, xo, nt, u, h, p2, p3):
+        """Decode, k-quants: the tile's 16 sums over groups u * U + h * V ... + V - 1 of
+        super-block u as one expression, with d and dmin applied once to the V groups' sums,
+            d * sum_g acc_g * (sc_g * xs_g)  -  dmin * sum_g mn_g * (xs * xsum)_g:
+        3 float ops a group (a multiply and two multiply-adds) where group_sum's statement per
+        group takes 6 and the float16 loads and converts of d and dmin (LLVM repeated them in
+        every group: the store to y between the statements may alias them for it)."""
+        main = minimum = None
+        for j in range(V):
+            g = u * U + h * V + j
+            acc = T.Cast("float32x16", dot_chain(T.Broadcast(T.int32(0), TILE_N), weight_tiles(wp, nt, g),
+                                                 xq, 0, g))
+            a = acc * (kquant_code(p0, p1, nt, g, 0) * T.Broadcast(xs[0, g], TILE_N))
+            b = kquant_code(p0, p1, nt, g, 1) * T.Broadcast(xo[0, g], TILE_N)
+            main = a if main is None else main + a
+            minimum = b if minimum is None else minimum + b
+        return T.Cast("float32x16", p2[nt, u, T.Ramp(0, 1, TILE_N)]) * main \
+            - T.Cast("float32x16", p3[nt, u, T.Ramp(0, 1, TILE_N)]) * minimum
+
+    @T.macro
+    def decode_prefetch_block(wp, nt, u, h):
+        """decode_prefetch of block_sum's V groups, before its statement."""
+        for j in T.unroll(V):
+            decode_prefetch(wp, nt, u * U + h * V + j)
+
     @T.macro
     def row_group(facc, i, tiles, ab, xq, xs, xo, r, g):
         """facc[i] += row r of x times the tile's 16 rows over group g: one chain of 8
@@ -540,7 +572,15 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
             for r in range(A * B):
                 quantize_row(x, xq, xs, xo, r, B)
         # 2. tiles of 16 rows in parallel; each group's tiles unpacked once for all rows of x
-        if A * B == 1 and out_dtype == "float32":
+        if A * B == 1 and out_dtype == "float32" and kind == "kquant":
+            for nt in T.parallel(NT):
+                y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
+                for u in range(NG // U):
+                    for h in T.unroll(U // V):
+                        decode_prefetch_block(wp, nt, u, h)
+                        y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] \
+                            + block_sum(wp, p0, p1, xq, xs, xo, nt, u, h, p2, p3)
+        elif A * B == 1 and out_dtype == "float32":
             for nt in T.parallel(NT):
                 y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
                 for u in range(NG // U):

@@ -221,16 +221,23 @@ def vnni_chunks(bits: int) -> int:
     return bits
 
 
+def field_pieces(bits: int):
+    """(tile, chunk, bit position, width, the piece's first bit in the code) of every piece
+    of FIELDS[bits], tile by tile, lowest bits first."""
+    for t, pieces in enumerate(FIELDS[bits]):
+        shift = 0
+        for c, pos, w in pieces:
+            yield t, c, pos, w, shift
+            shift += w
+
+
 def pack_fields(tiles: np.ndarray, bits: int) -> np.ndarray:
     """(..., 8, 64) uint8 tiles of `bits`-bit codes -> (..., vnni_chunks(bits), 64) uint8, each
     code's bits where FIELDS puts them."""
     tiles = tiles.astype(np.uint8)
     chunks = np.zeros(tiles.shape[:-2] + (vnni_chunks(bits), 64), np.uint8)
-    for t, pieces in enumerate(FIELDS[bits]):
-        shift = 0
-        for c, pos, w in pieces:
-            chunks[..., c, :] |= (((tiles[..., t, :] >> shift) & ((1 << w) - 1)) << pos).astype(np.uint8)
-            shift += w
+    for t, c, pos, w, shift in field_pieces(bits):
+        chunks[..., c, :] |= (((tiles[..., t, :] >> shift) & ((1 << w) - 1)) << pos).astype(np.uint8)
     return chunks
 
 
@@ -238,11 +245,8 @@ def unpack_fields(chunks: np.ndarray, bits: int) -> np.ndarray:
     """pack_fields' inverse: (..., vnni_chunks(bits), 64) -> (..., 8, 64) uint8 codes (the numpy
     statement of what the int8-activation kernel unpacks)."""
     tiles = np.zeros(chunks.shape[:-2] + (8, 64), np.uint8)
-    for t, pieces in enumerate(FIELDS[bits]):
-        shift = 0
-        for c, pos, w in pieces:
-            tiles[..., t, :] |= (((chunks[..., c, :] >> pos) & ((1 << w) - 1)) << shift).astype(np.uint8)
-            shift += w
+    for t, c, pos, w, shift in field_pieces(bits):
+        tiles[..., t, :] |= (((chunks[..., c, :] >> pos) & ((1 << w) - 1)) << shift).astype(np.uint8)
     return tiles
 
 

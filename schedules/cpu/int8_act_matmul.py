@@ -452,14 +452,11 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
         identical loads). q4_k (U = S, so u is the super-block):
             d * (acc_g * (sc_g * xs_g))  -  dmin * (mn_g * (xs * xsum)_g)."""
         g = u * U + j
+        if kind == "kquant":
+            return kquant_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u, [g])
         tiles = weight_tiles(wp, nt, g)
         init = T.Broadcast(xo[0, g], TILE_N) if kind == "sym" else T.Broadcast(T.int32(0), TILE_N)
         acc = T.Cast("float32x16", dot_chain(init, tiles, xq, 0, g))
-        if kind == "kquant":
-            return T.Cast("float32x16", p2[nt, u, T.Ramp(0, 1, TILE_N)]) \
-                * (acc * (kquant_code(p0, p1, nt, g, 0) * T.Broadcast(xs[0, g], TILE_N))) \
-                - T.Cast("float32x16", p3[nt, u, T.Ramp(0, 1, TILE_N)]) \
-                * (kquant_code(p0, p1, nt, g, 1) * T.Broadcast(xo[0, g], TILE_N))
         main = acc * (T.Cast("float32x16", p0[nt, g, T.Ramp(0, 1, TILE_N)]) * T.Broadcast(xs[0, g], TILE_N))
         if kind == "asym":
             main = main + T.Cast("float32x16", p1[nt, g, T.Ramp(0, 1, TILE_N)]) * T.Broadcast(xo[0, g], TILE_N)
@@ -469,16 +466,16 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     # together before it, at most DECODE_BURST_LINES lines
     V = next(v for v in range(U, 0, -1) if U % v == 0 and v * C <= DECODE_BURST_LINES)
 
-    def block_sum(wp, p0, p1, xq, xs, xo, nt, u, h, p2, p3):
-        """Decode, k-quants: the tile's 16 sums over groups u * U + h * V ... + V - 1 of
-        super-block u as one expression, with d and dmin applied once to the V groups' sums,
-            d * sum_g acc_g * (sc_g * xs_g)  -  dmin * sum_g mn_g * (xs * xsum)_g:
-        3 float ops a group (a multiply and two multiply-adds) where group_sum's statement per
-        group takes 6 and the float16 loads and converts of d and dmin (LLVM repeated them in
-        every group: the store to y between the statements may alias them for it)."""
+    def kquant_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u, groups):
+        """Decode, k-quants: the tile's 16 sums over `groups` of super-block u as one
+        expression, with d and dmin applied once to the groups' sums,
+            d * sum_g acc_g * (sc_g * xs_g)  -  dmin * sum_g mn_g * (xs * xsum)_g.
+        Over block_sum's V groups: 3 float ops a group (a multiply and two multiply-adds)
+        where a statement per group (group_sum, one group) takes 6 and the float16 loads and
+        converts of d and dmin (LLVM repeated them in every group: the store to y between the
+        statements may alias them for it)."""
         main = minimum = None
-        for j in range(V):
-            g = u * U + h * V + j
+        for g in groups:
             acc = T.Cast("float32x16", dot_chain(T.Broadcast(T.int32(0), TILE_N), weight_tiles(wp, nt, g),
                                                  xq, 0, g))
             a = acc * (kquant_code(p0, p1, nt, g, 0) * T.Broadcast(xs[0, g], TILE_N))
@@ -487,6 +484,10 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
             minimum = b if minimum is None else minimum + b
         return T.Cast("float32x16", p2[nt, u, T.Ramp(0, 1, TILE_N)]) * main \
             - T.Cast("float32x16", p3[nt, u, T.Ramp(0, 1, TILE_N)]) * minimum
+
+    def block_sum(wp, p0, p1, xq, xs, xo, nt, u, h, p2, p3):
+        """kquant_sum over groups u * U + h * V ... + V - 1 of super-block u."""
+        return kquant_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u, [u * U + h * V + j for j in range(V)])
 
     @T.macro
     def decode_prefetch_block(wp, nt, u, h):

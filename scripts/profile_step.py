@@ -6,7 +6,7 @@ Runs a built output directory through the Engine and times every call the Relax 
 instrumentation hook; prints the untimed step time next to it, since the hook adds about a
 microsecond per call.
 
-    python scripts/profile_step.py OUT [--threads 2] [--prompt-len 128] [--steps 20]
+    python scripts/profile_step.py OUT [--threads 2] [--prompt-len 128] [--steps 20] [--prefills 3]
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prefills", type=int, default=3, help="prefill runs averaged (each timed "
+                   "and untimed)")
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args(argv)
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
@@ -56,17 +58,21 @@ def main(argv=None):
             print(f"  {sec / runs * 1e3:8.3f} ms {count // runs:5d}x  {name[:90]}")
         times.clear()
 
-    # prefill: untimed, then timed
-    t0 = time.perf_counter()
-    sid = eng.cache.add()
-    eng.prefill([(sid, prompt)])
-    wall = time.perf_counter() - t0
-    eng.cache.remove(sid)
-    eng.vm.set_instrument(instrument)
-    sid = eng.cache.add()
-    eng.prefill([(sid, prompt)])
-    eng.vm.set_instrument(None)
-    report(f"prefill of {args.prompt_len} tokens", 1, wall)
+    # prefill: untimed, then timed, `prefills` times
+    wall = 0.0
+    for run in range(args.prefills):
+        t0 = time.perf_counter()
+        sid = eng.cache.add()
+        eng.prefill([(sid, prompt)])
+        wall += time.perf_counter() - t0
+        eng.cache.remove(sid)
+        eng.vm.set_instrument(instrument)
+        sid = eng.cache.add()
+        eng.prefill([(sid, prompt)])
+        eng.vm.set_instrument(None)
+        if run + 1 < args.prefills:
+            eng.cache.remove(sid)
+    report(f"prefill of {args.prompt_len} tokens", args.prefills, wall / args.prefills)
 
     # decode steps after that prompt
     for _ in range(3):

@@ -112,8 +112,10 @@ class TvmRunner:
 
         eng = self.engine
         sid = eng.cache.add()
+        chunk = eng.cache.prefill_chunk_size  # a longer prompt goes in chunks, as generate's do
         t0 = time.perf_counter()
-        logits = eng.prefill([(sid, prompt)])
+        for i in range(0, len(prompt), chunk):
+            logits = eng.prefill([(sid, prompt[i:i + chunk])])
         t1 = time.perf_counter()
         tok = int(np.argmax(logits[0]))
         t2 = time.perf_counter()

@@ -11,7 +11,8 @@ memory as in a model step, where the weights stream through the caches between t
 layer; with --baseline the git revision's kernel is timed beside the current one, round by
 round (median of --rounds, with min and max: on a shared machine compare within a run).
 prefill: the ragged causal prefill over 128 and 512 new tokens (GFLOP/s of the causal q.k and
-p.v products), the fastest of several runs.
+p.v products), and the paged prefill of 512 new tokens over 512 and 1536 cached ones in pages of
+--page tokens (a long prompt's second and fourth chunk), the fastest of several runs.
 """
 from __future__ import annotations
 
@@ -164,6 +165,22 @@ def main() -> None:
                              n=3)
                 print(f"{name}prefill ragged {n:4d} tokens: {sec * 1e3:8.3f} ms  "
                       f"{flops / sec / 1e9:6.1f} GFLOP/s", flush=True)
+        pageds = {k: tvm.compile(tvm.IRModule({"main": m.prefill_paged_attention_func(
+            H_kv, H, D, dt, P)}), target=target)["main"] for k, m in versions.items()}
+        n = 512
+        for cached in (512, 1536):  # a prompt's later chunk over the earlier chunks' pages
+            n_pages = cached // P
+            pages = t(cast(rng.standard_normal((n_pages, 2, H_kv, P, D))))
+            q = t(cast(rng.standard_normal((n, H, D))))
+            args = (q, t(np.array([0, n], "int32")), pages, t(np.array([0, n_pages], "int32")),
+                    t(np.arange(n_pages, dtype="int32")), t(np.array([P], "int32")),
+                    t(np.zeros(1, "int32")), t(np.arange(cached, cached + n, dtype="int32")),
+                    t(cast(np.zeros((n, H, D)))), t(np.zeros((n, H), "float32")))
+            flops = 2 * 2 * H * D * n * cached
+            for name, paged in pageds.items():
+                sec = timeit(paged, *args, 0, 0, 1.0, 1e4, 0.125, n=3)
+                print(f"{name}prefill paged {n:4d} tokens over {cached:4d} cached: "
+                      f"{sec * 1e3:8.3f} ms  {flops / sec / 1e9:6.1f} GFLOP/s", flush=True)
 
 
 if __name__ == "__main__":

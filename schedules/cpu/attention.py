@@ -727,18 +727,22 @@ def prefill_paged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim:
                                  sliding: bool = False, vector: bool = True):
     """Replacement for TVM's `batch_prefill_paged_kv_cpu` (and its `_sliding_window` variant):
     the new tokens of a prefill attending to their sequences' cached pages (a prompt continued,
-    a prefix shared by a fork), same signature. Items are (query row, KV head), in parallel.
-    `vector=False`: no CPU vector expressions (a GPU build, see `for_gpu`)."""
+    a prefix shared by a fork), same signature. CPU: query tiles as in the ragged prefill
+    (`_tiled_paged_attention_func`; the per-row form before, with a horizontal sum per key, ran
+    llama-110m's second 512-token chunk's attention at ~6 GFLOP/s). `vector=False`: items are
+    (query row, KV head), in parallel, no CPU vector expressions (a GPU build, see `for_gpu`)."""
     if page_size not in PAGE_SIZES:
         raise ValueError(f"page_size {page_size} is not one of {PAGE_SIZES}")
     PAGE = page_size
     H_kv, H_qo, D = num_kv_heads, num_qo_heads, head_dim
+    symbol = "batch_prefill_paged_kv_cpu" + ("_sliding_window" if sliding else "")
+    if vector:  # CPU: the query-tile GEMM form
+        return _tiled_paged_attention_func(H_kv, H_qo, D, dtype, PAGE, table, sliding, symbol)
     G = H_qo // H_kv
     L = _lanes(D)
     start, block, finish = _online_softmax_macros(G, D, L, dtype, table, H_qo, vector)
-    scope = SCRATCH if vector else "local"  # CPU: stack scratch (see SCRATCH); GPU: registers
+    scope = "local"  # GPU: registers
     over_pages = _over_pages_macro(block, PAGE, H_kv, D, scope)
-    symbol = "batch_prefill_paged_kv_cpu" + ("_sliding_window" if sliding else "")
 
     @T.prim_func(check_well_formed=False)
     def prefill_paged_attention(var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
@@ -899,13 +903,137 @@ def prefill_ragged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim
     return prefill_ragged_attention
 
 
-QT = 16  # query rows per tile of the tiled ragged prefill: one float32x16 vector, a row a lane
-KB = 16  # keys per block of the tiled ragged prefill (the kernel binds P[0..15] by name)
+QT = 16  # (row, head) pairs per query tile: one float32x16 vector, a pair a lane
+KB = 16  # keys per block of a query tile at most (the block binds P[0..15] by name)
 
 
 def _vec_exp2(x):
     """2^x of a float32x16 vector expression (the fast exp, schedules/cpu/fast_math.py)."""
     return fast_exp_expr(x * tirx.Broadcast(tirx.const(LN2, "float32"), QT), f"float32x{QT}")
+
+
+def _query_tile_macros(D: int, kb: int, dtype: str, table: LayerTable | None, H_qo: int):
+    """The steps the query-tile kernels (ragged and paged prefill) share, over scratch buffers
+    qt / ot (D, QT): Q^T pre-scaled and O^T unnormalized; s (KB, QT): scores, then P; st (4,
+    QT): running max, denominator, rescale, new max; rng (2, QT): each lane's logical keys
+    [lo, hi):
+
+    * block: kb keys whose rows lie `stride` elements apart from k_base / v_base (logical key
+      index t0 + t): scores d outer on kb register accumulators (one Q^T[d] load serves every
+      key; each key element is one FMA with an embedded broadcast), soft-capped where the layer
+      says so, one lane-wise online-softmax rescale (balanced max and sum trees), the weighted
+      value rows. `masked`: some lane's range does not hold all kb keys; `clamped`: only its
+      keys [valid[0], valid[1]) may be read (the rest are masked and read a readable key's row
+      instead: unwritten slots may hold anything, and 0 x NaN is NaN; clamping costs LLVM the
+      constant-stride addresses, so only such a block does it);
+    * finish_lane: the lane's sink (when `add_sink`), normalization, its output row and lse.
+    """
+    capped = table is not None and table.has_softcap
+    sinks = table is not None and table.sinks is not None
+    R = tirx.Ramp(0, 1, QT)
+
+    def bcast(x):
+        return tirx.Broadcast(x, QT)
+
+    def inside(rng, t):
+        """Lane mask of logical key t: lo <= t < hi."""
+        return tirx.all(bcast(t) >= rng[0, R], bcast(t) < rng[1, R])
+
+    def key(base, t, stride, valid, clamped):
+        """Flat index of the block's key t's row; clamped into the block's readable keys
+        [valid[0], valid[1]) where some are not."""
+        return base + (T.max(T.min(t, valid[1] - 1), valid[0]) if clamped else t) * stride
+
+    def tree(values, op):
+        """op over `values` as a balanced tree (log2 depth: no kb-long dependency chain)."""
+        while len(values) > 1:
+            values = [op(values[i], values[i + 1]) if i + 1 < len(values) else values[i]
+                      for i in range(0, len(values), 2)]
+        return values[0]
+
+    def weighted_values(ot, p, rescale, v_flat, rows, d):
+        """O^T[d] * rescale + sum_t P[t] * V[t, d], as one expression (two partial sums)."""
+        parts = [ot[d, R] * rescale, None]
+        for t in range(kb):
+            term = p[t] * bcast(T.Cast("float32", v_flat[rows[t] + d]))
+            parts[t % 2] = term if parts[t % 2] is None else parts[t % 2] + term
+        return parts[0] + parts[1]
+
+    @T.macro
+    def block(qt, ot, s, st, rng, k_flat, v_flat, t0, k_base, v_base, stride, valid,
+              sm_scale, masked, clamped):
+        for t in T.unroll(kb):
+            s[t, R] = bcast(T.float32(0))
+        for d in T.unroll(D):
+            for t in T.unroll(kb):
+                s[t, R] = s[t, R] + qt[d, R] * bcast(
+                    T.Cast("float32", k_flat[key(k_base, t, stride, valid, clamped) + d]))
+        if capped:
+            for t in T.unroll(kb):
+                s[t, R] = T.Select(bcast(_cap2(table, sm_scale) > T.float32(0)),
+                                   bcast(_cap2(table, sm_scale)) * T.tanh(
+                                       s[t, R] / bcast(T.max(_cap2(table, sm_scale),
+                                                             T.float32(1e-30)))),
+                                   s[t, R])
+        if masked:  # the new running maximum
+            st[3, R] = tree([st[0, R]] + [T.Select(inside(rng, t0 + t), s[t, R],
+                                                   bcast(T.float32(-5e4))) for t in range(kb)],
+                            T.max)
+        else:
+            st[3, R] = tree([st[0, R]] + [s[t, R] for t in range(kb)], T.max)
+        st[2, R] = _vec_exp2(st[0, R] - st[3, R])  # rescale of what was summed so far
+        st[0, R] = st[3, R]
+        for t in T.unroll(kb):
+            if masked:
+                s[t, R] = T.Select(inside(rng, t0 + t), _vec_exp2(s[t, R] - st[3, R]),
+                                   bcast(T.float32(0)))
+            else:
+                s[t, R] = _vec_exp2(s[t, R] - st[3, R])
+        st[1, R] = st[1, R] * st[2, R] + tree([s[t, R] for t in range(kb)], lambda a, b: a + b)
+        # P and the rescale bound to values (registers over the loop over d, not kb reloads
+        # per row: the stores to O^T might alias `s` as far as LLVM knows); with kb < 16 the
+        # names past kb - 1 repeat P[0] and are never used
+        p0: T.let = s[0, R]
+        p1: T.let = s[1 % kb, R]
+        p2: T.let = s[2 % kb, R]
+        p3: T.let = s[3 % kb, R]
+        p4: T.let = s[4 % kb, R]
+        p5: T.let = s[5 % kb, R]
+        p6: T.let = s[6 % kb, R]
+        p7: T.let = s[7 % kb, R]
+        p8: T.let = s[8 % kb, R]
+        p9: T.let = s[9 % kb, R]
+        p10: T.let = s[10 % kb, R]
+        p11: T.let = s[11 % kb, R]
+        p12: T.let = s[12 % kb, R]
+        p13: T.let = s[13 % kb, R]
+        p14: T.let = s[14 % kb, R]
+        p15: T.let = s[15 % kb, R]
+        rescale: T.let = st[2, R]
+        for d in range(D):
+            ot[d, R] = weighted_values(
+                ot, (p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15),
+                rescale, v_flat, [key(v_base, t, stride, valid, clamped) for t in range(kb)],
+                d)
+
+    @T.macro
+    def finish_lane(st, ot, output, lse, lane, row, head, add_sink, sm_scale):
+        st[2, lane] = T.float32(1)
+        if sinks:
+            if add_sink:  # the query's own token is among these keys: its sink is added here
+                st[3, lane] = T.max(st[0, lane], _sink2(table, sm_scale, head, H_qo))
+                st[1, lane] = st[1, lane] * T.exp2(st[0, lane] - st[3, lane]) + T.exp2(
+                    _sink2(table, sm_scale, head, H_qo) - st[3, lane])
+                st[2, lane] = T.exp2(st[0, lane] - st[3, lane])
+                st[0, lane] = st[3, lane]
+        inv: T.let = T.Select(st[1, lane] > T.float32(0), st[2, lane] / st[1, lane],
+                              T.float32(0))
+        for d in range(D):
+            output[row, head, d] = T.Cast(dtype, ot[d, lane] * inv)
+        lse[row, head] = T.Select(st[1, lane] > T.float32(0),
+                                  st[0, lane] + T.log2(st[1, lane]), st[0, lane])
+
+    return block, finish_lane
 
 
 def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
@@ -921,108 +1049,20 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
         m, den, rescale: lane-wise online softmax         (no horizontal reduction at all)
         O^T[d] = O^T[d] * rescale + sum_t P[t] * broadcast(V[t, d])
 
-    and every K/V element read is used for 16 query rows. Each lane carries its own key range
-    [lo, hi) (its sequence in the ragged batch, the causal limit, the layer's window); the
-    tile walks the union of its lanes' ranges and masks only the blocks that are not inside
-    every lane's range (the diagonal, the window's edge, a sequence boundary inside the tile).
-    Tiles run in parallel, paired from both ends of the batch (tile j with tile n-1-j in
-    consecutive items) so that a thread's share of the causal work is even.
-
-    The scores run d outer, KB accumulators on registers (the block's `s`, 1 KiB, stays on the
-    stack: schedules/cpu/pipeline.py), so each Q^T[d] vector is loaded once for KB keys and
-    each key element is one FMA with an embedded broadcast; the block's maximum and
-    denominator are balanced trees, not 16-long chains; a masked block keeps constant-stride
-    key rows (only a block that runs past the batch's last key clamps them, which costs LLVM
-    its registers). Intel Xeon model 167, 2 threads, llama-110m heads (12 / 4 KV, D 64),
-    scripts/bench_attention.py --only prefill --kv-heads 4 --baseline: 128 tokens 130 -> 158
-    GFLOP/s, 512 tokens 154-160 -> 200-207 (scores as one expression per key with 4 partial
-    sums, reloading Q^T for every key, and a clamped masked block before)."""
+    and every K/V element read is used for 16 query rows (`_query_tile_macros`). Each lane
+    carries its own key range [lo, hi) (its sequence in the ragged batch, the causal limit, the
+    layer's window); the tile walks the union of its lanes' ranges and masks only the blocks
+    that are not inside every lane's range (the diagonal, the window's edge, a sequence
+    boundary inside the tile). Tiles run in parallel, paired from both ends of the batch (tile
+    j with tile n-1-j in consecutive items) so that a thread's share of the causal work is
+    even. Intel Xeon model 167, 2 threads, llama-110m heads (12 / 4 KV, D 64), scripts/
+    bench_attention.py --only prefill --kv-heads 4 --baseline: 128 tokens 130 -> 158 GFLOP/s,
+    512 tokens 154-160 -> 200-207 against scores as one expression per key (Q^T reloaded for
+    every key), 16-long max / sum chains and clamped rows in every masked block."""
     G = H_qo // H_kv
-    capped = table is not None and table.has_softcap
     sinks = table is not None and table.sinks is not None
     R = tirx.Ramp(0, 1, QT)
-
-    def bcast(x):
-        return tirx.Broadcast(x, QT)
-
-    def inside(rng, t):
-        """Lane mask of key t: lo <= t < hi."""
-        return tirx.all(bcast(t) >= rng[0, R], bcast(t) < rng[1, R])
-
-    def key_row(t0, t, kmax, hk, clamped):
-        """Flat index of key t0 + t's row (clamped below `kmax`, the batch's key count, in a
-        block that runs past the batch's last key; elsewhere the rows are a constant stride apart, so every load's address is
-        one base register plus a displacement)."""
-        return ((T.min(t0 + t, kmax - 1) if clamped else t0 + t) * H_kv + hk) * D
-
-    def tree(values, op):
-        """op over `values` as a balanced tree (log2 depth: no 16-long dependency chain)."""
-        while len(values) > 1:
-            values = [op(values[i], values[i + 1]) if i + 1 < len(values) else values[i]
-                      for i in range(0, len(values), 2)]
-        return values[0]
-
-    def weighted_values(ot, p, rescale, v_flat, rows, d):
-        """O^T[d] * rescale + sum_t P[t] * V[t, d], as one expression (two partial sums)."""
-        parts = [ot[d, R] * rescale, None]
-        for t in range(KB):
-            term = p[t] * bcast(T.Cast("float32", v_flat[rows[t] + d]))
-            parts[t % 2] = term if parts[t % 2] is None else parts[t % 2] + term
-        return parts[0] + parts[1]
-
-    @T.macro
-    def block(qt, ot, s, st, rng, k_flat, v_flat, t0, kmax, hk, sm_scale, masked, clamped):
-        for t in T.unroll(KB):
-            s[t, R] = bcast(T.float32(0))
-        for d in T.unroll(D):  # d outer: each Q^T[d] load serves KB accumulators in registers
-            for t in T.unroll(KB):
-                s[t, R] = s[t, R] + qt[d, R] * bcast(
-                    T.Cast("float32", k_flat[key_row(t0, t, kmax, hk, clamped) + d]))
-        if capped:
-            for t in T.unroll(KB):
-                s[t, R] = T.Select(bcast(_cap2(table, sm_scale) > T.float32(0)),
-                                   bcast(_cap2(table, sm_scale)) * T.tanh(
-                                       s[t, R] / bcast(T.max(_cap2(table, sm_scale),
-                                                             T.float32(1e-30)))),
-                                   s[t, R])
-        if masked:  # the new running maximum
-            st[3, R] = tree([st[0, R]] + [T.Select(inside(rng, t0 + t), s[t, R],
-                                                   bcast(T.float32(-5e4))) for t in range(KB)],
-                            T.max)
-        else:
-            st[3, R] = tree([st[0, R]] + [s[t, R] for t in range(KB)], T.max)
-        st[2, R] = _vec_exp2(st[0, R] - st[3, R])  # rescale of what was summed so far
-        st[0, R] = st[3, R]
-        for t in T.unroll(KB):
-            if masked:
-                s[t, R] = T.Select(inside(rng, t0 + t), _vec_exp2(s[t, R] - st[3, R]),
-                                   bcast(T.float32(0)))
-            else:
-                s[t, R] = _vec_exp2(s[t, R] - st[3, R])
-        st[1, R] = st[1, R] * st[2, R] + tree([s[t, R] for t in range(KB)], lambda a, b: a + b)
-        # P and the rescale bound to values (registers over the loop over d, not 16 reloads
-        # per row: the stores to O^T might alias `s` as far as LLVM knows)
-        p0: T.let = s[0, R]
-        p1: T.let = s[1, R]
-        p2: T.let = s[2, R]
-        p3: T.let = s[3, R]
-        p4: T.let = s[4, R]
-        p5: T.let = s[5, R]
-        p6: T.let = s[6, R]
-        p7: T.let = s[7, R]
-        p8: T.let = s[8, R]
-        p9: T.let = s[9, R]
-        p10: T.let = s[10, R]
-        p11: T.let = s[11, R]
-        p12: T.let = s[12, R]
-        p13: T.let = s[13, R]
-        p14: T.let = s[14, R]
-        p15: T.let = s[15, R]
-        rescale: T.let = st[2, R]
-        for d in range(D):
-            ot[d, R] = weighted_values(
-                ot, (p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15),
-                rescale, v_flat, [key_row(t0, t, kmax, hk, clamped) for t in range(KB)], d)
+    block, finish_lane = _query_tile_macros(D, KB, dtype, table, H_qo)
 
     @T.prim_func(check_well_formed=False)
     def prefill_ragged_attention(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle,
@@ -1065,8 +1105,8 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
             lim = T.alloc_buffer((4,), "int32", scope=SCRATCH)  # min lo, max hi, max lo, min hi
             seq = T.alloc_buffer((1,), "int32", scope=SCRATCH)
             n_tiles = _held("int32", T.ceildiv(qo_len * G, QT))
-            pair = _held("int32", item // H_kv)
-            hk = _held("int32", item % H_kv)
+            pair = _held("int32", item % n_tiles)  # KV head by KV head (see the paged kernel)
+            hk = _held("int32", item // n_tiles)
             tile = _held("int32", T.Select(pair % 2 == 0, pair // 2, n_tiles - 1 - pair // 2))
             lim[0] = kv_len
             lim[1] = 0
@@ -1098,44 +1138,186 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
                     for d in range(D):
                         qt[d, lane] = T.float32(0)
             for d in range(D):
-                ot[d, R] = bcast(T.float32(0))
-            st[0, R] = bcast(T.float32(-5e4))
-            st[1, R] = bcast(T.float32(0))
+                ot[d, R] = tirx.Broadcast(T.float32(0), QT)
+            st[0, R] = tirx.Broadcast(T.float32(-5e4), QT)
+            st[1, R] = tirx.Broadcast(T.float32(0), QT)
             kmin = _held("int32", lim[0])  # bound once: scalars, not reloads of `lim` in the block
             kmax = _held("int32", lim[1])
             lo_max = _held("int32", lim[2])
             hi_min = _held("int32", lim[3])
             for blk in range(T.ceildiv(kmax - kmin, KB)):
                 t0 = _held("int32", kmin + blk * KB)
+                base = _held("int32", (t0 * H_kv + hk) * D)
                 if t0 >= lo_max and t0 + KB <= hi_min:
-                    block(qt, ot, s, st, rng, k_flat, v_flat, t0, kv_len, hk, sm_scale, False,
-                          False)
+                    block(qt, ot, s, st, rng, k_flat, v_flat, t0, base, base, H_kv * D,
+                          (0, kv_len - t0), sm_scale, False, False)
                 elif t0 + KB <= kv_len:
-                    block(qt, ot, s, st, rng, k_flat, v_flat, t0, kv_len, hk, sm_scale, True,
-                          False)
+                    block(qt, ot, s, st, rng, k_flat, v_flat, t0, base, base, H_kv * D,
+                          (0, kv_len - t0), sm_scale, True, False)
                 else:  # the block runs past the batch's last key
-                    block(qt, ot, s, st, rng, k_flat, v_flat, t0, kv_len, hk, sm_scale, True,
-                          True)
+                    block(qt, ot, s, st, rng, k_flat, v_flat, t0, base, base, H_kv * D,
+                          (0, kv_len - t0), sm_scale, True, True)
             for lane in range(QT):
                 if tile * QT + lane < qo_len * G:
-                    row = _held("int32", (tile * QT + lane) // G)
-                    head = _held("int32", hk * G + (tile * QT + lane) % G)
-                    if sinks:  # the query's own token is among these keys: add the sink here
-                        st[3, lane] = T.max(st[0, lane], _sink2(table, sm_scale, head, H_qo))
-                        st[1, lane] = st[1, lane] * T.exp2(st[0, lane] - st[3, lane]) + T.exp2(
-                            _sink2(table, sm_scale, head, H_qo) - st[3, lane])
-                        st[2, lane] = T.exp2(st[0, lane] - st[3, lane])
-                        st[0, lane] = st[3, lane]
-                    else:
-                        st[2, lane] = T.float32(1)
-                    inv: T.let = T.Select(st[1, lane] > T.float32(0),
-                                   st[2, lane] / st[1, lane], T.float32(0))
-                    for d in range(D):
-                        output[row, head, d] = T.Cast(dtype, ot[d, lane] * inv)
-                    lse[row, head] = T.Select(st[1, lane] > T.float32(0),
-                                              st[0, lane] + T.log2(st[1, lane]), st[0, lane])
+                    finish_lane(st, ot, output, lse, lane, (tile * QT + lane) // G,
+                                hk * G + (tile * QT + lane) % G, True, sm_scale)
 
     return prefill_ragged_attention
+
+
+def _tiled_paged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
+                                table: LayerTable | None, sliding: bool, symbol: str):
+    """The paged prefill as query-tile GEMMs (CPU): see `prefill_paged_attention_func`.
+
+    The ragged kernel's tiles (`_tiled_ragged_attention_func`), cut per sequence (a tile's
+    lanes share one page list): tile items are numbered over the batch's sequences in order,
+    each sequence taking ceil(rows x G / QT) of them. A tile walks the pages that hold its
+    lanes' keys in blocks of min(KB, PAGE) keys, which never straddle a page, so a block's key
+    rows are D elements apart; the block past the sequence's last key reads its rows clamped
+    (the rest of the last page is not written). Lanes hold logical key ranges (the causal
+    limit, the layer's window); in the sliding-window layout logical key t sits at physical
+    slot t + offset of the page list."""
+    G = H_qo // H_kv
+    kb = min(KB, PAGE)
+    R = tirx.Ramp(0, 1, QT)
+    block, finish_lane = _query_tile_macros(D, kb, dtype, table, H_qo)
+
+    @T.prim_func(check_well_formed=False)
+    def prefill_paged_attention(var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
+                                var_page_indptr: T.handle, var_page_values: T.handle,
+                                var_length_info: T.handle, var_k_rope_pos_offset: T.handle,
+                                var_q_rope_position: T.handle, var_output: T.handle,
+                                var_lse: T.handle, causal: T.int32, rotary_mode: T.int32,
+                                rope_scale: T.float32, rope_theta: T.float32,
+                                sm_scale: T.float32):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True,
+                     "global_symbol": symbol})  # replaces TVM's
+        batch_size = T.int32()
+        total_len = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        q_indptr_elem_offset = T.int32()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        length_info_elem_offset = T.int32()
+        q = T.match_buffer(var_q, (total_len, H_qo, D), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32",
+                                  elem_offset=q_indptr_elem_offset)
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, H_kv, PAGE, D), dtype)
+        page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32",
+                                     elem_offset=page_indptr_elem_offset)
+        page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32",
+                                     elem_offset=page_values_elem_offset)
+        length_info = T.match_buffer(var_length_info, _length_shape(batch_size, sliding), "int32",
+                                     elem_offset=length_info_elem_offset)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
+                                           elem_offset=k_rope_pos_offset_elem_offset)
+        q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32",
+                                         elem_offset=q_rope_position_elem_offset)
+        output = T.match_buffer(var_output, (total_len, H_qo, D), dtype)
+        lse = T.match_buffer(var_lse, (total_len, H_qo), "float32")
+        flat = T.decl_buffer((max_num_pages * 2 * H_kv * PAGE * D,), dtype, data=pages.data)
+
+        # every sequence's tiles (at most one partial tile a sequence), KV head by KV head: a
+        # thread's tiles then share their keys (a KV head's 1536 cached keys are 786 KiB of K
+        # and V in float32; all 4 of llama-110m's overflow a 2 MiB L2)
+        for item in T.parallel((T.ceildiv(total_len * G, QT) + batch_size) * H_kv):
+            qt = T.alloc_buffer((D, QT), "float32", scope=SCRATCH)  # Q^T, pre-scaled
+            ot = T.alloc_buffer((D, QT), "float32", scope=SCRATCH)  # O^T, unnormalized
+            s = T.alloc_buffer((KB, QT), "float32", scope=SCRATCH)  # scores, then P
+            st = T.alloc_buffer((4, QT), "float32", scope=SCRATCH)  # max, den, rescale, new max
+            rng = T.alloc_buffer((2, QT), "int32", scope=SCRATCH)  # each lane's keys [lo, hi)
+            lim = T.alloc_buffer((4,), "int32", scope=SCRATCH)  # min lo, max hi, max lo, min hi
+            where = T.alloc_buffer((3,), "int32", scope=SCRATCH)  # sequence, its tile, tiles before
+            tile = _held("int32", item % (T.ceildiv(total_len * G, QT) + batch_size))
+            hk = _held("int32", item // (T.ceildiv(total_len * G, QT) + batch_size))
+            where[0] = -1
+            where[1] = 0
+            where[2] = 0
+            for bb in range(batch_size):
+                n_tiles = _held("int32", T.ceildiv((q_indptr[bb + 1] - q_indptr[bb]) * G, QT))
+                if where[0] < 0 and tile < where[2] + n_tiles:
+                    where[0] = bb
+                    where[1] = tile - where[2]
+                where[2] = where[2] + n_tiles
+            if where[0] >= 0:
+                b = _held("int32", where[0])
+                tin = _held("int32", where[1])
+                n_q = _held("int32", q_indptr[b + 1] - q_indptr[b])
+                begin = _held("int32", page_indptr[b])
+                npages = _held("int32", page_indptr[b + 1] - begin)
+                last = _held("int32", _last_page_len(length_info, b, sliding))
+                offset = _held("int32", _window_offset(length_info, b, npages, sliding))
+                n_keys = _held("int32", T.Select(npages > 0, (npages - 1) * PAGE + last - offset,
+                                                 0))
+                lim[0] = n_keys
+                lim[1] = 0
+                lim[2] = 0
+                lim[3] = n_keys
+                for lane in range(QT):
+                    if tin * QT + lane < n_q * G:
+                        row = _held("int32", q_indptr[b] + (tin * QT + lane) // G)
+                        head = _held("int32", hk * G + (tin * QT + lane) % G)
+                        hi = _held("int32", T.Select(
+                            causal > 0, T.min(n_keys, n_keys - n_q + row - q_indptr[b] + 1),
+                            n_keys))
+                        lo = _held("int32", T.min(_window_start(
+                            _window(table, sm_scale), q_rope_position[row], k_rope_pos_offset[b]),
+                            hi))
+                        rng[0, lane] = lo
+                        rng[1, lane] = hi
+                        lim[0] = T.min(lim[0], lo)
+                        lim[1] = T.max(lim[1], hi)
+                        lim[2] = T.max(lim[2], lo)
+                        lim[3] = T.min(lim[3], hi)
+                        for d in range(D):
+                            qt[d, lane] = T.Cast("float32", q[row, head, d]) * _scale2(
+                                table, sm_scale)
+                    else:  # past the sequence's last row: no keys, never written
+                        rng[0, lane] = 0
+                        rng[1, lane] = 0
+                        for d in range(D):
+                            qt[d, lane] = T.float32(0)
+                for d in range(D):
+                    ot[d, R] = tirx.Broadcast(T.float32(0), QT)
+                st[0, R] = tirx.Broadcast(T.float32(-5e4), QT)
+                st[1, R] = tirx.Broadcast(T.float32(0), QT)
+                kmin = _held("int32", lim[0])
+                kmax = _held("int32", lim[1])
+                lo_max = _held("int32", lim[2])
+                hi_min = _held("int32", lim[3])
+                if kmax > kmin:
+                    first = _held("int32", (kmin + offset) // kb)  # blocks of physical slots
+                    for blk in range(T.ceildiv(kmax + offset, kb) - first):
+                        slot = _held("int32", (first + blk) * kb)
+                        page = _held("int32", page_values[begin + slot // PAGE])
+                        t0 = _held("int32", slot - offset)  # logical index of its first key
+                        k_base = _held("int32", _kv_rows(page, 0, hk, H_kv, PAGE, D)
+                                       + slot % PAGE * D)
+                        v_base = _held("int32", _kv_rows(page, 1, hk, H_kv, PAGE, D)
+                                       + slot % PAGE * D)
+                        valid = (T.max(-t0, 0), n_keys - t0)  # readable: logical keys >= 0
+                        if t0 >= lo_max and t0 + kb <= hi_min:
+                            block(qt, ot, s, st, rng, flat, flat, t0, k_base, v_base, D, valid,
+                                  sm_scale, False, False)
+                        elif t0 >= 0 and t0 + kb <= n_keys:
+                            block(qt, ot, s, st, rng, flat, flat, t0, k_base, v_base, D, valid,
+                                  sm_scale, True, False)
+                        else:  # the block holds slid-out slots or runs past the last key
+                            block(qt, ot, s, st, rng, flat, flat, t0, k_base, v_base, D, valid,
+                                  sm_scale, True, True)
+                for lane in range(QT):
+                    if tin * QT + lane < n_q * G:
+                        row = _held("int32", q_indptr[b] + (tin * QT + lane) // G)
+                        finish_lane(st, ot, output, lse, lane, row,
+                                    hk * G + (tin * QT + lane) % G,
+                                    _owns_sink(table, sliding, rng[1, lane],
+                                               k_rope_pos_offset[b], q_rope_position[row]),
+                                    sm_scale)
+
+    return prefill_paged_attention
 
 
 def for_gpu(func, threads: int = 64):

@@ -200,3 +200,93 @@ def test_ragged_prefill_bfloat16(tiled):
     got, want = _ragged_case(tiled[(2, 4, 64, "bfloat16")], 2, 4, 64, "bfloat16", (23, 41),
                              (30, 41), 12)
     np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=2e-3)
+
+
+def _paged_prefill_case(func, page, n_cached, n_new, offsets, causal, seed, h_kv=1, h_qo=3,
+                        d=32):
+    """Sequences whose keys lie in pages (n_cached[b] + n_new[b] of them when `causal`: the new
+    tokens' own keys already appended, each row seeing its causal prefix; else the n_cached[b]
+    cached keys, all visible), from physical slot offsets[b] of their first page (the
+    sliding-window layout; 0 elsewhere); unused slots hold NaN, which no output may see.
+    -> (output, lse, reference output, reference lse) with lse in log2 units."""
+    rng = np.random.default_rng(seed)
+    n_keys = [c + (n if causal else 0) for c, n in zip(n_cached, n_new)]
+    keys = [rng.standard_normal((2, n, h_kv, d)).astype("float32") for n in n_keys]
+    q = rng.standard_normal((sum(n_new), h_qo, d)).astype("float32")
+    n_pages = sum(-(-(o + n) // page) for o, n in zip(offsets, n_keys)) + 3
+    pages = np.full((n_pages, 2, h_kv, page, d), np.nan, "float32")
+    free = list(rng.permutation(n_pages))
+    indptr, values, info = [0], [], [[], [], []]
+    for kv, off in zip(keys, offsets):
+        n = off + kv.shape[1]
+        ids = [int(free.pop()) for _ in range(-(-n // page))]
+        for t in range(kv.shape[1]):
+            pages[ids[(off + t) // page], :, :, (off + t) % page] = kv[:, t]
+        values += ids
+        indptr.append(len(values))
+        info[0].append((n - 1) % page + 1 if ids else 0)
+        info[1].append(off)
+        info[2].append(0)
+    sliding = any(offsets)
+    length_info = np.array(info if sliding else info[0], "int32")
+    q_indptr = np.concatenate([[0], np.cumsum(n_new)]).astype("int32")
+    q_pos = np.concatenate([np.arange(c, c + n) for c, n in zip(n_cached, n_new)]).astype("int32")
+    out_t = _t(np.zeros((sum(n_new), h_qo, d), "float32"))
+    lse_t = _t(np.zeros((sum(n_new), h_qo), "float32"))
+    func(_t(q), _t(q_indptr), _t(pages), _t(np.array(indptr, "int32")),
+         _t(np.array(values + [0], "int32")[:max(len(values), 1)]), _t(length_info),
+         _t(np.zeros(len(n_new), "int32")), _t(q_pos), out_t, lse_t, int(causal), 0, 1.0, 1e4,
+         SCALE)
+    want, want_lse = np.zeros(q.shape), np.full(q.shape[:2], -5e4 * 0 - np.inf)
+    for b, (kv, n) in enumerate(zip(keys, n_new)):
+        for i in range(n):
+            row = q_indptr[b] + i
+            seen = kv.shape[1] - n + i + 1 if causal else kv.shape[1]
+            k, v = (np.asarray(a[:seen], "float64") for a in kv)
+            for h in range(h_qo):
+                if seen == 0:
+                    continue
+                s = k[:, h // (h_qo // h_kv)] @ q[row, h] * SCALE
+                p = np.exp(s - s.max())
+                want[row, h] = p @ v[:, h // (h_qo // h_kv)] / p.sum()
+                want_lse[row, h] = (s.max() + np.log(p.sum())) / np.log(2)
+    return out_t.numpy(), lse_t.numpy(), want, want_lse
+
+
+@pytest.mark.parametrize("page", [8, 16, 32])
+@pytest.mark.parametrize("causal", [0, 1])
+def test_tiled_paged_prefill_matches_numpy(page, causal):
+    """The CPU paged prefill's query tiles (16 (row, head) pairs of one sequence, GQA groups of
+    3 that do not divide a tile): several tiles a sequence, a sequence with no cached page,
+    key counts that end inside a page and inside a block; with `causal`, the new rows' own
+    keys in the pages (diagonal blocks masked lane by lane). Pages left unwritten hold NaN."""
+    import tvm
+
+    from schedules.cpu.attention import prefill_paged_attention_func
+    from tvm_llm.targets.llvm import LLVMTarget
+
+    func = tvm.compile(tvm.IRModule({"main": prefill_paged_attention_func(1, 3, 32, "float32",
+                                                                          page)}),
+                       target=LLVMTarget().tvm_target())["main"]
+    n_cached, n_new = (45, 0, 70), (11, 6, 23)
+    got, lse, want, want_lse = _paged_prefill_case(func, page, n_cached, n_new, (0, 0, 0),
+                                                   causal, seed=page + causal)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+    seen = np.isfinite(want_lse)  # rows with keys (the second sequence has none uncausally)
+    np.testing.assert_allclose(lse[seen], want_lse[seen], rtol=1e-5, atol=1e-5)
+
+
+def test_tiled_paged_prefill_in_the_sliding_window_layout():
+    """Kept keys from slot `offset` of the first page on (TVM's sliding-window layout): logical
+    key t at physical slot t + offset, the slots before it never read."""
+    import tvm
+
+    from schedules.cpu.attention import prefill_paged_attention_func
+    from tvm_llm.targets.llvm import LLVMTarget
+
+    func = tvm.compile(tvm.IRModule({"main": prefill_paged_attention_func(
+        1, 3, 32, "float32", 16, sliding=True)}), target=LLVMTarget().tvm_target())["main"]
+    got, lse, want, want_lse = _paged_prefill_case(func, 16, (21, 9), (7, 12), (5, 13), 0,
+                                                   seed=3)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)

@@ -927,9 +927,16 @@ def _query_tile_macros(D: int, kb: int, dtype: str, table: LayerTable | None, H_
       instead: unwritten slots may hold anything, and 0 x NaN is NaN; clamping costs LLVM the
       constant-stride addresses, so only such a block does it);
     * finish_lane: the lane's sink (when `add_sink`), normalization, its output row and lse.
+
+    Half-precision K and V (bfloat16, float16) are widened to float32 once per block into the
+    scratch `kv32`, as vectors: read in place, every key element of a block was a scalar load,
+    shift and broadcast (Intel Xeon model 167, 2 threads, llama-110m heads, bfloat16: ragged
+    512 tokens 116 -> 190 GFLOP/s, 128 tokens 91 -> 137; paged, 512 over 512 or 1536
+    cached, 129-134 -> 216-218, as fast as float32).
     """
     capped = table is not None and table.has_softcap
     sinks = table is not None and table.sinks is not None
+    convert = dtype != "float32"  # bfloat16 / float16 K and V: widened per block (kv32)
     R = tirx.Ramp(0, 1, QT)
 
     def bcast(x):
@@ -951,23 +958,32 @@ def _query_tile_macros(D: int, kb: int, dtype: str, table: LayerTable | None, H_
                       for i in range(0, len(values), 2)]
         return values[0]
 
-    def weighted_values(ot, p, rescale, v_flat, rows, d):
+    def weighted_values(ot, p, rescale, v_flat, rows, kv32, d):
         """O^T[d] * rescale + sum_t P[t] * V[t, d], as one expression (two partial sums)."""
         parts = [ot[d, R] * rescale, None]
         for t in range(kb):
-            term = p[t] * bcast(T.Cast("float32", v_flat[rows[t] + d]))
+            term = p[t] * bcast(kv32[1, t * D + d] if convert else v_flat[rows[t] + d])
             parts[t % 2] = term if parts[t % 2] is None else parts[t % 2] + term
         return parts[0] + parts[1]
 
     @T.macro
     def block(qt, ot, s, st, rng, k_flat, v_flat, t0, k_base, v_base, stride, valid,
-              sm_scale, masked, clamped):
+              sm_scale, masked, clamped, kv32):
+        if convert:  # the block's K and V rows widened to float32 once, as vectors
+            for t in T.unroll(kb):
+                for d in T.vectorized(D):
+                    kv32[0, t * D + d] = T.Cast("float32", k_flat[
+                        key(k_base, t, stride, valid, clamped) + d])
+                for d in T.vectorized(D):
+                    kv32[1, t * D + d] = T.Cast("float32", v_flat[
+                        key(v_base, t, stride, valid, clamped) + d])
         for t in T.unroll(kb):
             s[t, R] = bcast(T.float32(0))
-        for d in T.unroll(D):
+        for d in T.unroll(D):  # d outer: each Q^T[d] load serves every key of the block
             for t in T.unroll(kb):
                 s[t, R] = s[t, R] + qt[d, R] * bcast(
-                    T.Cast("float32", k_flat[key(k_base, t, stride, valid, clamped) + d]))
+                    kv32[0, t * D + d] if convert
+                    else k_flat[key(k_base, t, stride, valid, clamped) + d])
         if capped:
             for t in T.unroll(kb):
                 s[t, R] = T.Select(bcast(_cap2(table, sm_scale) > T.float32(0)),
@@ -1014,7 +1030,7 @@ def _query_tile_macros(D: int, kb: int, dtype: str, table: LayerTable | None, H_
             ot[d, R] = weighted_values(
                 ot, (p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15),
                 rescale, v_flat, [key(v_base, t, stride, valid, clamped) for t in range(kb)],
-                d)
+                kv32, d)
 
     @T.macro
     def finish_lane(st, ot, output, lse, lane, row, head, add_sink, sm_scale):
@@ -1033,7 +1049,8 @@ def _query_tile_macros(D: int, kb: int, dtype: str, table: LayerTable | None, H_
         lse[row, head] = T.Select(st[1, lane] > T.float32(0),
                                   st[0, lane] + T.log2(st[1, lane]), st[0, lane])
 
-    return block, finish_lane
+    # the widened rows' scratch (its elements: 8 KiB at D = 64); float32 blocks read K, V in place
+    return block, finish_lane, ((2, KB * D) if convert else (1, 1))
 
 
 def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
@@ -1062,7 +1079,7 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
     G = H_qo // H_kv
     sinks = table is not None and table.sinks is not None
     R = tirx.Ramp(0, 1, QT)
-    block, finish_lane = _query_tile_macros(D, KB, dtype, table, H_qo)
+    block, finish_lane, kv32_shape = _query_tile_macros(D, KB, dtype, table, H_qo)
 
     @T.prim_func(check_well_formed=False)
     def prefill_ragged_attention(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle,
@@ -1100,6 +1117,7 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
             qt = T.alloc_buffer((D, QT), "float32", scope=SCRATCH)  # Q^T, pre-scaled
             ot = T.alloc_buffer((D, QT), "float32", scope=SCRATCH)  # O^T, unnormalized
             s = T.alloc_buffer((KB, QT), "float32", scope=SCRATCH)  # scores, then P
+            kv32 = T.alloc_buffer(kv32_shape, "float32", scope=SCRATCH)  # K, V rows widened
             st = T.alloc_buffer((4, QT), "float32", scope=SCRATCH)  # max, den, rescale, new max
             rng = T.alloc_buffer((2, QT), "int32", scope=SCRATCH)  # each lane's keys [lo, hi)
             lim = T.alloc_buffer((4,), "int32", scope=SCRATCH)  # min lo, max hi, max lo, min hi
@@ -1150,13 +1168,13 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
                 base = _held("int32", (t0 * H_kv + hk) * D)
                 if t0 >= lo_max and t0 + KB <= hi_min:
                     block(qt, ot, s, st, rng, k_flat, v_flat, t0, base, base, H_kv * D,
-                          (0, kv_len - t0), sm_scale, False, False)
+                          (0, kv_len - t0), sm_scale, False, False, kv32)
                 elif t0 + KB <= kv_len:
                     block(qt, ot, s, st, rng, k_flat, v_flat, t0, base, base, H_kv * D,
-                          (0, kv_len - t0), sm_scale, True, False)
+                          (0, kv_len - t0), sm_scale, True, False, kv32)
                 else:  # the block runs past the batch's last key
                     block(qt, ot, s, st, rng, k_flat, v_flat, t0, base, base, H_kv * D,
-                          (0, kv_len - t0), sm_scale, True, True)
+                          (0, kv_len - t0), sm_scale, True, True, kv32)
             for lane in range(QT):
                 if tile * QT + lane < qo_len * G:
                     finish_lane(st, ot, output, lse, lane, (tile * QT + lane) // G,
@@ -1180,7 +1198,7 @@ def _tiled_paged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: 
     G = H_qo // H_kv
     kb = min(KB, PAGE)
     R = tirx.Ramp(0, 1, QT)
-    block, finish_lane = _query_tile_macros(D, kb, dtype, table, H_qo)
+    block, finish_lane, kv32_shape = _query_tile_macros(D, kb, dtype, table, H_qo)
 
     @T.prim_func(check_well_formed=False)
     def prefill_paged_attention(var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
@@ -1227,6 +1245,7 @@ def _tiled_paged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: 
             qt = T.alloc_buffer((D, QT), "float32", scope=SCRATCH)  # Q^T, pre-scaled
             ot = T.alloc_buffer((D, QT), "float32", scope=SCRATCH)  # O^T, unnormalized
             s = T.alloc_buffer((KB, QT), "float32", scope=SCRATCH)  # scores, then P
+            kv32 = T.alloc_buffer(kv32_shape, "float32", scope=SCRATCH)  # K, V rows widened
             st = T.alloc_buffer((4, QT), "float32", scope=SCRATCH)  # max, den, rescale, new max
             rng = T.alloc_buffer((2, QT), "int32", scope=SCRATCH)  # each lane's keys [lo, hi)
             lim = T.alloc_buffer((4,), "int32", scope=SCRATCH)  # min lo, max hi, max lo, min hi
@@ -1301,13 +1320,13 @@ def _tiled_paged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: 
                         valid = (T.max(-t0, 0), n_keys - t0)  # readable: logical keys >= 0
                         if t0 >= lo_max and t0 + kb <= hi_min:
                             block(qt, ot, s, st, rng, flat, flat, t0, k_base, v_base, D, valid,
-                                  sm_scale, False, False)
+                                  sm_scale, False, False, kv32)
                         elif t0 >= 0 and t0 + kb <= n_keys:
                             block(qt, ot, s, st, rng, flat, flat, t0, k_base, v_base, D, valid,
-                                  sm_scale, True, False)
+                                  sm_scale, True, False, kv32)
                         else:  # the block holds slid-out slots or runs past the last key
                             block(qt, ot, s, st, rng, flat, flat, t0, k_base, v_base, D, valid,
-                                  sm_scale, True, True)
+                                  sm_scale, True, True, kv32)
                 for lane in range(QT):
                     if tin * QT + lane < n_q * G:
                         row = _held("int32", q_indptr[b] + (tin * QT + lane) // G)

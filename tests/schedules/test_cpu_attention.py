@@ -203,16 +203,18 @@ def test_ragged_prefill_bfloat16(tiled):
 
 
 def _paged_prefill_case(func, page, n_cached, n_new, offsets, causal, seed, h_kv=1, h_qo=3,
-                        d=32):
+                        d=32, dtype="float32"):
     """Sequences whose keys lie in pages (n_cached[b] + n_new[b] of them when `causal`: the new
     tokens' own keys already appended, each row seeing its causal prefix; else the n_cached[b]
     cached keys, all visible), from physical slot offsets[b] of their first page (the
     sliding-window layout; 0 elsewhere); unused slots hold NaN, which no output may see.
-    -> (output, lse, reference output, reference lse) with lse in log2 units."""
+    -> (output, lse, reference output, reference lse) with lse in log2 units; with a bfloat16
+    `dtype` the reference sees the same bfloat16-rounded inputs."""
     rng = np.random.default_rng(seed)
+    wire = "float32" if dtype == "float32" else __import__("ml_dtypes").bfloat16
     n_keys = [c + (n if causal else 0) for c, n in zip(n_cached, n_new)]
-    keys = [rng.standard_normal((2, n, h_kv, d)).astype("float32") for n in n_keys]
-    q = rng.standard_normal((sum(n_new), h_qo, d)).astype("float32")
+    keys = [rng.standard_normal((2, n, h_kv, d)).astype(wire).astype("float32") for n in n_keys]
+    q = rng.standard_normal((sum(n_new), h_qo, d)).astype(wire).astype("float32")
     n_pages = sum(-(-(o + n) // page) for o, n in zip(offsets, n_keys)) + 3
     pages = np.full((n_pages, 2, h_kv, page, d), np.nan, "float32")
     free = list(rng.permutation(n_pages))
@@ -231,9 +233,9 @@ def _paged_prefill_case(func, page, n_cached, n_new, offsets, causal, seed, h_kv
     length_info = np.array(info if sliding else info[0], "int32")
     q_indptr = np.concatenate([[0], np.cumsum(n_new)]).astype("int32")
     q_pos = np.concatenate([np.arange(c, c + n) for c, n in zip(n_cached, n_new)]).astype("int32")
-    out_t = _t(np.zeros((sum(n_new), h_qo, d), "float32"))
+    out_t = _t(np.zeros((sum(n_new), h_qo, d), wire))
     lse_t = _t(np.zeros((sum(n_new), h_qo), "float32"))
-    func(_t(q), _t(q_indptr), _t(pages), _t(np.array(indptr, "int32")),
+    func(_t(q.astype(wire)), _t(q_indptr), _t(pages.astype(wire)), _t(np.array(indptr, "int32")),
          _t(np.array(values + [0], "int32")[:max(len(values), 1)]), _t(length_info),
          _t(np.zeros(len(n_new), "int32")), _t(q_pos), out_t, lse_t, int(causal), 0, 1.0, 1e4,
          SCALE)
@@ -250,7 +252,7 @@ def _paged_prefill_case(func, page, n_cached, n_new, offsets, causal, seed, h_kv
                 p = np.exp(s - s.max())
                 want[row, h] = p @ v[:, h // (h_qo // h_kv)] / p.sum()
                 want_lse[row, h] = (s.max() + np.log(p.sum())) / np.log(2)
-    return out_t.numpy(), lse_t.numpy(), want, want_lse
+    return out_t.numpy().astype("float32"), lse_t.numpy(), want, want_lse
 
 
 @pytest.mark.parametrize("page", [8, 16, 32])
@@ -289,4 +291,20 @@ def test_tiled_paged_prefill_in_the_sliding_window_layout():
     got, lse, want, want_lse = _paged_prefill_case(func, 16, (21, 9), (7, 12), (5, 13), 0,
                                                    seed=3)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_tiled_paged_prefill_bfloat16():
+    """bfloat16 pages: each block's K and V rows are widened to float32 once, then the float32
+    tile (within one bfloat16 rounding of the output)."""
+    import tvm
+
+    from schedules.cpu.attention import prefill_paged_attention_func
+    from tvm_llm.targets.llvm import LLVMTarget
+
+    func = tvm.compile(tvm.IRModule({"main": prefill_paged_attention_func(
+        1, 3, 32, "bfloat16", 16)}), target=LLVMTarget().tvm_target())["main"]
+    got, lse, want, want_lse = _paged_prefill_case(func, 16, (45, 0, 70), (11, 6, 23),
+                                                   (0, 0, 0), 1, seed=5, dtype="bfloat16")
+    np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=2e-3)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)

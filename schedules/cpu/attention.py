@@ -927,7 +927,9 @@ def _query_tile_macros(D: int, kb: int, dtype: str, table: LayerTable | None, H_
       keys [valid[0], valid[1]) may be read (the rest are masked and read a readable key's row
       instead: unwritten slots may hold anything, and 0 x NaN is NaN; clamping costs LLVM the
       constant-stride addresses, so only such a block does it);
-    * finish_lane: the lane's sink (when `add_sink`), normalization, its output row and lse.
+    * finish_lane: the lane's sink (when `add_sink`), normalization, its output row and lse;
+    * load_lane / empty_lane / zero_tile: a tile's setup; tile_block: `block` in the form (no
+      mask, masked, clamped) a block's keys need.
 
     Half-precision K and V (bfloat16, float16) are widened to float32 once per block into the
     scratch `kv32`, as vectors: read in place, every key element of a block was a scalar load,
@@ -1050,8 +1052,52 @@ def _query_tile_macros(D: int, kb: int, dtype: str, table: LayerTable | None, H_
         lse[row, head] = T.Select(st[1, lane] > T.float32(0),
                                   st[0, lane] + T.log2(st[1, lane]), st[0, lane])
 
+    @T.macro
+    def load_lane(qt, rng, lim, q, lane, row, head, lo, hi, sm_scale):
+        """Lane `lane` holds (row, head), whose keys are [lo, hi): its Q^T column, its range,
+        and the tile's limits lim (min lo, max hi, max lo, min hi)."""
+        rng[0, lane] = lo
+        rng[1, lane] = hi
+        lim[0] = T.min(lim[0], lo)
+        lim[1] = T.max(lim[1], hi)
+        lim[2] = T.max(lim[2], lo)
+        lim[3] = T.min(lim[3], hi)
+        for d in range(D):
+            qt[d, lane] = T.Cast("float32", q[row, head, d]) * _scale2(table, sm_scale)
+
+    @T.macro
+    def empty_lane(qt, rng, lane):
+        """A lane past the last row: no keys, its output never written."""
+        rng[0, lane] = 0
+        rng[1, lane] = 0
+        for d in range(D):
+            qt[d, lane] = T.float32(0)
+
+    @T.macro
+    def zero_tile(ot, st):
+        for d in range(D):
+            ot[d, R] = bcast(T.float32(0))
+        st[0, R] = bcast(T.float32(-5e4))
+        st[1, R] = bcast(T.float32(0))
+
+    @T.macro
+    def tile_block(qt, ot, s, st, rng, k_flat, v_flat, t0, k_base, v_base, stride, valid,
+                   lo_max, hi_min, readable, sm_scale, kv32):
+        """`block` in the form its keys need: inside every lane's range (no mask), some lane's
+        range ends inside (masked), or some key may not be read (`readable` false: clamped)."""
+        if t0 >= lo_max and t0 + kb <= hi_min:
+            block(qt, ot, s, st, rng, k_flat, v_flat, t0, k_base, v_base, stride, valid,
+                  sm_scale, False, False, kv32)
+        elif readable:
+            block(qt, ot, s, st, rng, k_flat, v_flat, t0, k_base, v_base, stride, valid,
+                  sm_scale, True, False, kv32)
+        else:
+            block(qt, ot, s, st, rng, k_flat, v_flat, t0, k_base, v_base, stride, valid,
+                  sm_scale, True, True, kv32)
+
     # the widened rows' scratch (its elements: 8 KiB at D = 64); float32 blocks read K, V in place
-    return block, finish_lane, ((2, KB * D) if convert else (1, 1))
+    return (block, finish_lane, load_lane, empty_lane, zero_tile, tile_block,
+            (2, KB * D) if convert else (1, 1))
 
 
 def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
@@ -1078,9 +1124,8 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
     512 tokens 154-160 -> 200-207 against scores as one expression per key (Q^T reloaded for
     every key), 16-long max / sum chains and clamped rows in every masked block."""
     G = H_qo // H_kv
-    sinks = table is not None and table.sinks is not None
-    R = tirx.Ramp(0, 1, QT)
-    block, finish_lane, kv32_shape = _query_tile_macros(D, KB, dtype, table, H_qo)
+    (_, finish_lane, load_lane, empty_lane, zero_tile, tile_block,
+     kv32_shape) = _query_tile_macros(D, KB, dtype, table, H_qo)
 
     @T.prim_func(check_well_formed=False)
     def prefill_ragged_attention(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle,
@@ -1143,23 +1188,11 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
                     first = _held("int32", T.min(_window_start(
                         _window(table, sm_scale), q_rope_position[row], k_rope_pos_offset[seq[0]]),
                         limit))
-                    rng[0, lane] = kv_indptr[seq[0]] + first
-                    rng[1, lane] = kv_indptr[seq[0]] + limit
-                    lim[0] = T.min(lim[0], kv_indptr[seq[0]] + first)
-                    lim[1] = T.max(lim[1], kv_indptr[seq[0]] + limit)
-                    lim[2] = T.max(lim[2], kv_indptr[seq[0]] + first)
-                    lim[3] = T.min(lim[3], kv_indptr[seq[0]] + limit)
-                    for d in range(D):
-                        qt[d, lane] = T.Cast("float32", q[row, head, d]) * _scale2(table, sm_scale)
-                else:  # past the batch's last row: no keys, never written
-                    rng[0, lane] = 0
-                    rng[1, lane] = 0
-                    for d in range(D):
-                        qt[d, lane] = T.float32(0)
-            for d in range(D):
-                ot[d, R] = tirx.Broadcast(T.float32(0), QT)
-            st[0, R] = tirx.Broadcast(T.float32(-5e4), QT)
-            st[1, R] = tirx.Broadcast(T.float32(0), QT)
+                    load_lane(qt, rng, lim, q, lane, row, head, kv_indptr[seq[0]] + first,
+                              kv_indptr[seq[0]] + limit, sm_scale)
+                else:  # past the batch's last row
+                    empty_lane(qt, rng, lane)
+            zero_tile(ot, st)
             kmin = _held("int32", lim[0])  # bound once: scalars, not reloads of `lim` in the block
             kmax = _held("int32", lim[1])
             lo_max = _held("int32", lim[2])
@@ -1167,15 +1200,9 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
             for blk in range(T.ceildiv(kmax - kmin, KB)):
                 t0 = _held("int32", kmin + blk * KB)
                 base = _held("int32", (t0 * H_kv + hk) * D)
-                if t0 >= lo_max and t0 + KB <= hi_min:
-                    block(qt, ot, s, st, rng, k_flat, v_flat, t0, base, base, H_kv * D,
-                          (0, kv_len - t0), sm_scale, False, False, kv32)
-                elif t0 + KB <= kv_len:
-                    block(qt, ot, s, st, rng, k_flat, v_flat, t0, base, base, H_kv * D,
-                          (0, kv_len - t0), sm_scale, True, False, kv32)
-                else:  # the block runs past the batch's last key
-                    block(qt, ot, s, st, rng, k_flat, v_flat, t0, base, base, H_kv * D,
-                          (0, kv_len - t0), sm_scale, True, True, kv32)
+                # a block running past the batch's last key is clamped
+                tile_block(qt, ot, s, st, rng, k_flat, v_flat, t0, base, base, H_kv * D,
+                           (0, kv_len - t0), lo_max, hi_min, t0 + KB <= kv_len, sm_scale, kv32)
             for lane in range(QT):
                 if tile * QT + lane < qo_len * G:
                     finish_lane(st, ot, output, lse, lane, (tile * QT + lane) // G,
@@ -1198,8 +1225,8 @@ def _tiled_paged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: 
     slot t + offset of the page list."""
     G = H_qo // H_kv
     kb = min(KB, PAGE)
-    R = tirx.Ramp(0, 1, QT)
-    block, finish_lane, kv32_shape = _query_tile_macros(D, kb, dtype, table, H_qo)
+    (_, finish_lane, load_lane, empty_lane, zero_tile, tile_block,
+     kv32_shape) = _query_tile_macros(D, kb, dtype, table, H_qo)
 
     @T.prim_func(check_well_formed=False)
     def prefill_paged_attention(var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
@@ -1251,8 +1278,9 @@ def _tiled_paged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: 
             rng = T.alloc_buffer((2, QT), "int32", scope=SCRATCH)  # each lane's keys [lo, hi)
             lim = T.alloc_buffer((4,), "int32", scope=SCRATCH)  # min lo, max hi, max lo, min hi
             where = T.alloc_buffer((3,), "int32", scope=SCRATCH)  # sequence, its tile, tiles before
-            tile = _held("int32", item % (T.ceildiv(total_len * G, QT) + batch_size))
-            hk = _held("int32", item // (T.ceildiv(total_len * G, QT) + batch_size))
+            slots = _held("int32", T.ceildiv(total_len * G, QT) + batch_size)  # tiles a KV head
+            tile = _held("int32", item % slots)
+            hk = _held("int32", item // slots)
             where[0] = -1
             where[1] = 0
             where[2] = 0
@@ -1286,24 +1314,10 @@ def _tiled_paged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: 
                         lo = _held("int32", T.min(_window_start(
                             _window(table, sm_scale), q_rope_position[row], k_rope_pos_offset[b]),
                             hi))
-                        rng[0, lane] = lo
-                        rng[1, lane] = hi
-                        lim[0] = T.min(lim[0], lo)
-                        lim[1] = T.max(lim[1], hi)
-                        lim[2] = T.max(lim[2], lo)
-                        lim[3] = T.min(lim[3], hi)
-                        for d in range(D):
-                            qt[d, lane] = T.Cast("float32", q[row, head, d]) * _scale2(
-                                table, sm_scale)
-                    else:  # past the sequence's last row: no keys, never written
-                        rng[0, lane] = 0
-                        rng[1, lane] = 0
-                        for d in range(D):
-                            qt[d, lane] = T.float32(0)
-                for d in range(D):
-                    ot[d, R] = tirx.Broadcast(T.float32(0), QT)
-                st[0, R] = tirx.Broadcast(T.float32(-5e4), QT)
-                st[1, R] = tirx.Broadcast(T.float32(0), QT)
+                        load_lane(qt, rng, lim, q, lane, row, head, lo, hi, sm_scale)
+                    else:  # past the sequence's last row
+                        empty_lane(qt, rng, lane)
+                zero_tile(ot, st)
                 kmin = _held("int32", lim[0])
                 kmax = _held("int32", lim[1])
                 lo_max = _held("int32", lim[2])
@@ -1318,16 +1332,10 @@ def _tiled_paged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: 
                                        + slot % PAGE * D)
                         v_base = _held("int32", _kv_rows(page, 1, hk, H_kv, PAGE, D)
                                        + slot % PAGE * D)
-                        valid = (T.max(-t0, 0), n_keys - t0)  # readable: logical keys >= 0
-                        if t0 >= lo_max and t0 + kb <= hi_min:
-                            block(qt, ot, s, st, rng, flat, flat, t0, k_base, v_base, D, valid,
-                                  sm_scale, False, False, kv32)
-                        elif t0 >= 0 and t0 + kb <= n_keys:
-                            block(qt, ot, s, st, rng, flat, flat, t0, k_base, v_base, D, valid,
-                                  sm_scale, True, False, kv32)
-                        else:  # the block holds slid-out slots or runs past the last key
-                            block(qt, ot, s, st, rng, flat, flat, t0, k_base, v_base, D, valid,
-                                  sm_scale, True, True, kv32)
+                        # readable: logical keys >= 0 (not slid out) and below n_keys (written)
+                        tile_block(qt, ot, s, st, rng, flat, flat, t0, k_base, v_base, D,
+                                   (T.max(-t0, 0), n_keys - t0), lo_max, hi_min,
+                                   t0 >= 0 and t0 + kb <= n_keys, sm_scale, kv32)
                 for lane in range(QT):
                     if tin * QT + lane < n_q * G:
                         row = _held("int32", q_indptr[b] + (tin * QT + lane) // G)

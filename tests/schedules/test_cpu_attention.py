@@ -236,23 +236,34 @@ def _paged_prefill_case(func, page, n_cached, n_new, offsets, causal, seed, h_kv
     out_t = _t(np.zeros((sum(n_new), h_qo, d), wire))
     lse_t = _t(np.zeros((sum(n_new), h_qo), "float32"))
     func(_t(q.astype(wire)), _t(q_indptr), _t(pages.astype(wire)), _t(np.array(indptr, "int32")),
-         _t(np.array(values + [0], "int32")[:max(len(values), 1)]), _t(length_info),
+         _t(np.array(values or [0], "int32")), _t(length_info),
          _t(np.zeros(len(n_new), "int32")), _t(q_pos), out_t, lse_t, int(causal), 0, 1.0, 1e4,
          SCALE)
-    want, want_lse = np.zeros(q.shape), np.full(q.shape[:2], -5e4 * 0 - np.inf)
+    want, want_lse = np.zeros(q.shape), np.full(q.shape[:2], -np.inf)
     for b, (kv, n) in enumerate(zip(keys, n_new)):
         for i in range(n):
             row = q_indptr[b] + i
             seen = kv.shape[1] - n + i + 1 if causal else kv.shape[1]
+            if seen == 0:  # no keys: output 0, lse -inf
+                continue
             k, v = (np.asarray(a[:seen], "float64") for a in kv)
             for h in range(h_qo):
-                if seen == 0:
-                    continue
                 s = k[:, h // (h_qo // h_kv)] @ q[row, h] * SCALE
                 p = np.exp(s - s.max())
                 want[row, h] = p @ v[:, h // (h_qo // h_kv)] / p.sum()
                 want_lse[row, h] = (s.max() + np.log(p.sum())) / np.log(2)
     return out_t.numpy().astype("float32"), lse_t.numpy(), want, want_lse
+
+
+def _paged_kernel(page, dtype="float32", sliding=False):
+    """The CPU paged prefill for one KV head and 3 query heads of dim 32, compiled."""
+    import tvm
+
+    from schedules.cpu.attention import prefill_paged_attention_func
+    from tvm_llm.targets.llvm import LLVMTarget
+
+    func = prefill_paged_attention_func(1, 3, 32, dtype, page, sliding=sliding)
+    return tvm.compile(tvm.IRModule({"main": func}), target=LLVMTarget().tvm_target())["main"]
 
 
 @pytest.mark.parametrize("page", [8, 16, 32])
@@ -262,14 +273,7 @@ def test_tiled_paged_prefill_matches_numpy(page, causal):
     3 that do not divide a tile): several tiles a sequence, a sequence with no cached page,
     key counts that end inside a page and inside a block; with `causal`, the new rows' own
     keys in the pages (diagonal blocks masked lane by lane). Pages left unwritten hold NaN."""
-    import tvm
-
-    from schedules.cpu.attention import prefill_paged_attention_func
-    from tvm_llm.targets.llvm import LLVMTarget
-
-    func = tvm.compile(tvm.IRModule({"main": prefill_paged_attention_func(1, 3, 32, "float32",
-                                                                          page)}),
-                       target=LLVMTarget().tvm_target())["main"]
+    func = _paged_kernel(page)
     n_cached, n_new = (45, 0, 70), (11, 6, 23)
     got, lse, want, want_lse = _paged_prefill_case(func, page, n_cached, n_new, (0, 0, 0),
                                                    causal, seed=page + causal)
@@ -281,13 +285,7 @@ def test_tiled_paged_prefill_matches_numpy(page, causal):
 def test_tiled_paged_prefill_in_the_sliding_window_layout():
     """Kept keys from slot `offset` of the first page on (TVM's sliding-window layout): logical
     key t at physical slot t + offset, the slots before it never read."""
-    import tvm
-
-    from schedules.cpu.attention import prefill_paged_attention_func
-    from tvm_llm.targets.llvm import LLVMTarget
-
-    func = tvm.compile(tvm.IRModule({"main": prefill_paged_attention_func(
-        1, 3, 32, "float32", 16, sliding=True)}), target=LLVMTarget().tvm_target())["main"]
+    func = _paged_kernel(16, sliding=True)
     got, lse, want, want_lse = _paged_prefill_case(func, 16, (21, 9), (7, 12), (5, 13), 0,
                                                    seed=3)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
@@ -297,13 +295,7 @@ def test_tiled_paged_prefill_in_the_sliding_window_layout():
 def test_tiled_paged_prefill_bfloat16():
     """bfloat16 pages: each block's K and V rows are widened to float32 once, then the float32
     tile (within one bfloat16 rounding of the output)."""
-    import tvm
-
-    from schedules.cpu.attention import prefill_paged_attention_func
-    from tvm_llm.targets.llvm import LLVMTarget
-
-    func = tvm.compile(tvm.IRModule({"main": prefill_paged_attention_func(
-        1, 3, 32, "bfloat16", 16)}), target=LLVMTarget().tvm_target())["main"]
+    func = _paged_kernel(16, "bfloat16")
     got, lse, want, want_lse = _paged_prefill_case(func, 16, (45, 0, 70), (11, 6, 23),
                                                    (0, 0, 0), 1, seed=5, dtype="bfloat16")
     np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=2e-3)

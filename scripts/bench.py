@@ -165,40 +165,60 @@ class BandwidthProbe:
         return best
 
 
-def measure(runners, prompt_len, gen_len, repeats, warmup=1, probe=None):
+class SgemmProbe:
+    """The machine's float32 GEMM rate at this moment (GFLOP/s): torch's 2048^3 sgemm at
+    `threads` threads, best of 3 (~0.1 s). The VM's clock moves with its neighbours (this probe
+    read 304-424 within a day on one Xeon), so `measure` probes around every timed run, as it
+    does the bandwidth, and each run's prefill share uses its own probes."""
+
+    def __init__(self, threads: int, n: int = 2048):
+        import torch
+
+        self.torch, self.threads = torch, threads
+        self.a, self.b = torch.randn(n, n), torch.randn(n, n)
+
+    def __call__(self, tries: int = 3) -> float:
+        self.torch.set_num_threads(self.threads)
+        best = 0.0
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            self.a @ self.b
+            best = max(best, 2 * self.a.shape[0] ** 3 / (time.perf_counter() - t0) / 1e9)
+        time.sleep(BandwidthProbe.SETTLE_S)  # torch's workers spin on (see BandwidthProbe)
+        return best
+
+
+def measure(runners, prompt_len, gen_len, repeats, warmup=1, probe=None, flops_probe=None):
     """Medians over `repeats` interleaved rounds (after `warmup` rounds) per system: prefill and
-    decode tok/s, and with a `probe` (BandwidthProbe) the read bandwidth around each timed run
-    (the mean of a probe just before and just after it) kept per run in "runs"."""
+    decode tok/s, and with a `probe` (BandwidthProbe) the read bandwidth around each timed run,
+    with a `flops_probe` (SgemmProbe) the sgemm rate around it (each the mean of a probe just
+    before and just after the run), kept per run in "runs"."""
     import numpy as np
+
+    def probes():
+        return (probe() if probe else 0.0, flops_probe() if flops_probe else 0.0)
 
     prompt = [int(t) for t in np.random.default_rng(0).integers(10, 1000, size=prompt_len)]
     samples = {r.name: [] for r in runners}
     for rep in range(warmup + repeats):
         for r in runners:  # interleaved, so machine noise hits every system alike
-            before = probe() if probe and rep >= warmup else 0.0
+            before = probes() if rep >= warmup else (0.0, 0.0)
             pre, dec = r.run(prompt, gen_len)
             if rep >= warmup:
-                bw = (before + probe()) / 2 if probe else 0.0
-                samples[r.name].append((prompt_len / pre, gen_len / dec, bw))
+                after = probes()
+                samples[r.name].append((prompt_len / pre, gen_len / dec, (before[0] + after[0]) / 2,
+                                        (before[1] + after[1]) / 2))
     return {name: {"prefill_tok_s": statistics.median(s[0] for s in v),
                    "decode_tok_s": statistics.median(s[1] for s in v),
-                   "runs": [{"prefill_tok_s": p, "decode_tok_s": d, "read_GB_s": b} for p, d, b in v]}
+                   "runs": [{"prefill_tok_s": p, "decode_tok_s": d, "read_GB_s": b, "sgemm_GFLOP_s": f}
+                            for p, d, b, f in v]}
             for name, v in samples.items()}
 
 
 def machine_limits(threads: int) -> dict:
     """Measured read bandwidth (GB/s, BandwidthProbe: a 256 MB reduction on huge pages) and fp32
-    sgemm (GFLOP/s, 2048^3), both with torch at `threads` threads, best of 5."""
-    import torch
-
-    probe = BandwidthProbe(threads)
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    flops = 0.0
-    for _ in range(5):
-        t0 = time.perf_counter()
-        a @ b
-        flops = max(flops, 2 * 2048**3 / (time.perf_counter() - t0) / 1e9)
-    return {"read_GB_s": probe(5), "sgemm_GFLOP_s": flops}
+    sgemm (GFLOP/s, SgemmProbe: 2048^3), both with torch at `threads` threads, best of 5."""
+    return {"read_GB_s": BandwidthProbe(threads)(5), "sgemm_GFLOP_s": SgemmProbe(threads)(5)}
 
 
 # Bytes per matmul weight as stored (scales included) of llama.cpp's formats; Q4_K_M is its
@@ -298,12 +318,17 @@ def model_costs(shape: str, context: int, bytes_per_weight: float = 4.0,
 def print_limits(results, limits, costs, per_system=None):
     """Roofline shares. `per_system`: {system name: its costs} where they differ (quantized
     weights). A system's decode share is the median over its timed runs of bytes per token x
-    tok/s / the bandwidth probed around that run (measure); without probes, `limits`' one."""
-    runs = [r["read_GB_s"] for v in results.values() for r in v.get("runs", ()) if r["read_GB_s"]]
-    span = f" (probed around each run: {min(runs):.1f}-{max(runs):.1f}, median " \
-           f"{statistics.median(runs):.1f})" if runs else ""
-    print(f"# machine: read {limits['read_GB_s']:.1f} GB/s{span}, sgemm {limits['sgemm_GFLOP_s']:.0f} "
-          f"GFLOP/s; roofline decode {limits['read_GB_s'] * 1e9 / costs['decode_bytes']:.1f} tok/s, "
+    tok/s / the bandwidth probed around that run, its prefill share the median of FLOPs per
+    token x tok/s / the sgemm rate probed around that run (measure); without probes,
+    `limits`' one."""
+    def span(key):
+        runs = [r.get(key) for v in results.values() for r in v.get("runs", ()) if r.get(key)]
+        return (f" (probed around each run: {min(runs):.1f}-{max(runs):.1f}, median "
+                f"{statistics.median(runs):.1f})") if runs else ""
+
+    print(f"# machine: read {limits['read_GB_s']:.1f} GB/s{span('read_GB_s')}, sgemm "
+          f"{limits['sgemm_GFLOP_s']:.0f} GFLOP/s{span('sgemm_GFLOP_s')}; roofline decode "
+          f"{limits['read_GB_s'] * 1e9 / costs['decode_bytes']:.1f} tok/s, "
           f"prefill {limits['sgemm_GFLOP_s'] * 1e9 / costs['prefill_flops']:.0f} tok/s")
     for name, r in results.items():
         c = (per_system or {}).get(name, costs)
@@ -315,7 +340,12 @@ def print_limits(results, limits, costs, per_system=None):
         else:
             bw = limits["read_GB_s"]
             dec = r["decode_tok_s"] * c["decode_bytes"] / 1e9 / bw
-        pre = r["prefill_tok_s"] * costs["prefill_flops"] / 1e9 / limits["sgemm_GFLOP_s"]
+        flops_probed = [x for x in r.get("runs", ()) if x.get("sgemm_GFLOP_s")]
+        if flops_probed:
+            pre = statistics.median(x["prefill_tok_s"] * costs["prefill_flops"] / 1e9
+                                    / x["sgemm_GFLOP_s"] for x in flops_probed)
+        else:
+            pre = r["prefill_tok_s"] * costs["prefill_flops"] / 1e9 / limits["sgemm_GFLOP_s"]
         print(f"  {name:<26} decode {dec:.2f} of its bandwidth roofline ({bw * 1e9 / c['decode_bytes']:.1f} "
               f"tok/s at {bw:.1f} GB/s), prefill {pre:.2f} of sgemm peak")
 
@@ -405,7 +435,7 @@ def main(argv=None):
     print(f"# {args.shape}, batch 1, prompt {args.prompt_len}, generate {args.gen_len}, "
           f"{args.threads} threads, median of {args.repeats}", flush=True)
     results = measure(runners, args.prompt_len, args.gen_len, args.repeats,
-                      probe=BandwidthProbe(args.threads))
+                      probe=BandwidthProbe(args.threads), flops_probe=SgemmProbe(args.threads))
     print_table(results)
     limits = machine_limits(args.threads)
     print_limits(results, limits, model_costs(args.shape, context, prompt_len=args.prompt_len),

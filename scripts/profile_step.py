@@ -7,6 +7,10 @@ instrumentation hook; prints the untimed step time next to it, since the hook ad
 microsecond per call.
 
     python scripts/profile_step.py OUT [--threads 2] [--prompt-len 128] [--steps 20] [--prefills 3]
+                                      [--cold MB]
+
+`--cold MB` reads an MB-sized buffer before every prefill, as scripts/bench.py's bandwidth probe
+does before each timed run, so the weights come from DRAM rather than the L3.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ def main(argv=None):
     p.add_argument("--prefills", type=int, default=3, help="prefill runs averaged (each timed "
                    "and untimed)")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--cold", type=int, default=0, metavar="MB",
+                   help="read an MB-sized buffer before every prefill (0: warm caches)")
     args = p.parse_args(argv)
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -33,6 +39,11 @@ def main(argv=None):
     from tvm_llm import Engine
 
     eng = Engine(args.out, num_threads=args.threads, max_batch_size=1)
+    flush = np.ones(args.cold * 2**18, dtype=np.float32)
+
+    def evict():
+        if args.cold:
+            float(flush.sum())
     prompt = [int(t) for t in np.random.default_rng(0).integers(10, 1000, size=args.prompt_len)]
     sid = eng.cache.add()
     eng.prefill([(sid, prompt)])  # warm-up
@@ -61,11 +72,13 @@ def main(argv=None):
     # prefill: untimed, then timed, `prefills` times
     wall = 0.0
     for run in range(args.prefills):
+        evict()
         t0 = time.perf_counter()
         sid = eng.cache.add()
         eng.prefill([(sid, prompt)])
         wall += time.perf_counter() - t0
         eng.cache.remove(sid)
+        evict()
         eng.vm.set_instrument(instrument)
         sid = eng.cache.add()
         eng.prefill([(sid, prompt)])

@@ -78,6 +78,19 @@ def main() -> None:
 
     target = LLVMTarget().tvm_target()
     H_kv, H, D, P, dt = args.kv_heads, args.heads, args.head_dim, args.page, args.dtype
+
+    def prefill_kw(module, func) -> dict:
+        """The build's AMX choice (targets/llvm.py) for a version whose kernels take it."""
+        import inspect
+
+        from schedules.cpu import amx_bf16
+        from schedules.cpu.common import has_feature
+        from tvm_llm.targets.llvm import request_amx_permission
+
+        if "amx" not in inspect.signature(getattr(module, func)).parameters:
+            return {}
+        amx = all(has_feature(f, target) for f in (amx_bf16.FEATURE, "amx-tile"))
+        return {"amx": amx and request_amx_permission()[0]}
     dev = tvm.cpu()
     rng = np.random.default_rng(0)
 
@@ -149,7 +162,8 @@ def main() -> None:
                           f"{max(secs) * 1e6:.1f} us)", flush=True)
     if args.only in (None, "prefill"):
         rags = {k: tvm.compile(tvm.IRModule({"main": m.prefill_ragged_attention_func(
-            H_kv, H, D, dt)}), target=target)["main"] for k, m in versions.items()}
+            H_kv, H, D, dt, **prefill_kw(m, "prefill_ragged_attention_func"))}),
+            target=target)["main"] for k, m in versions.items()}
         for n in (128, 512):
             q = t(cast(rng.standard_normal((n, H, D))))
             k = t(cast(rng.standard_normal((n, H_kv, D))))
@@ -166,7 +180,8 @@ def main() -> None:
                 print(f"{name}prefill ragged {n:4d} tokens: {sec * 1e3:8.3f} ms  "
                       f"{flops / sec / 1e9:6.1f} GFLOP/s", flush=True)
         pageds = {k: tvm.compile(tvm.IRModule({"main": m.prefill_paged_attention_func(
-            H_kv, H, D, dt, P)}), target=target)["main"] for k, m in versions.items()}
+            H_kv, H, D, dt, P, **prefill_kw(m, "prefill_paged_attention_func"))}),
+            target=target)["main"] for k, m in versions.items()}
         n = 512
         for cached in (512, 1536):  # a prompt's later chunk over the earlier chunks' pages
             n_pages = cached // P

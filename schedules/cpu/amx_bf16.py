@@ -75,6 +75,55 @@ def _op(asm: bool, op: str, *args) -> str:
     return f'  call void asm sideeffect "{text}", ""()\n'
 
 
+def scores_llvm_ir(rows: int, depth: int) -> str:
+    """Three functions for a query tile's scores over blocks of `rows` keys (schedules/cpu/
+    attention.py), S[t, l] = sum_d K[t, d] * Q[l, d] for 16 query lanes l and `depth` head-dim
+    elements (a multiple of 32, at most 192), inline assembly (see above):
+
+    * ``scores_func(rows, depth, "begin")(Qp)``: configure the tiles and load the tile's Q,
+      Qp's 32-bit lanes (Qp[d / 2, l] holds Q[l, d] and Q[l, d + 1], rows of 64 bytes), as
+      depth / 32 B tiles (tmm2, tmm3, ...) that stay for every block;
+    * ``scores_func(rows, depth)(K, K row bytes, S)``: one block: K's rows (bfloat16, any row
+      stride) as A tiles (tmm1, a 32-wide slice at a time), S (float32, rows of 16) the result
+      (tmm0);
+    * ``scores_func(rows, depth, "end")()``: release the tiles.
+
+    Between begin and end the thread must run no other tile code."""
+    chunks = depth // KSTEP
+    assert depth % KSTEP == 0 and chunks <= 6, depth
+    cfg = _cfg_store("i8", "1", 0)
+    for t, (col, row) in enumerate([(64, rows), (64, rows)] + [(64, 16)] * chunks):
+        cfg += _cfg_store("i16", str(col), 16 + 2 * t) + _cfg_store("i8", str(row), 48 + t)
+    loads = "".join(f"  %qa{j} = getelementptr i8, ptr %q, i64 {1024 * j}\n"
+                    + _op(True, "tileloadd64", 2 + j, f"%qa{j}", "64") for j in range(chunks))
+    body = "".join(f"  %ka{j} = getelementptr i8, ptr %k, i64 {64 * j}\n"
+                   + _op(True, "tileloadd64", 1, f"%ka{j}", "%ldk")
+                   + _op(True, "tdpbf16ps", 0, 1, 2 + j) for j in range(chunks))
+    name = scores_func(rows, depth)
+    return f"""
+define linkonce_odr void @{scores_func(rows, depth, "begin")}(ptr %q) {{
+entry:
+  %cfg = alloca [64 x i8], align 64
+  call void @llvm.memset.p0.i64(ptr align 64 %cfg, i8 0, i64 64, i1 false)
+{cfg}{_op(True, "ldtilecfg", "%cfg")}{loads}  ret void
+}}
+define linkonce_odr void @{name}(ptr %k, i64 %ldk, ptr %s) {{
+entry:
+{_op(True, "tilezero", 0)}{body}{_op(True, "tilestored64", 0, "%s", "64")}  ret void
+}}
+define linkonce_odr void @{scores_func(rows, depth, "end")}() {{
+entry:
+{_op(True, "tilerelease")}  ret void
+}}
+declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)
+"""
+
+
+def scores_func(rows: int, depth: int, part: str = "block") -> str:
+    """The name of one of `scores_llvm_ir(rows, depth)`'s functions: "begin", "block", "end"."""
+    return f"tvm_llm_amx_scores_{rows}x{depth}" + ("" if part == "block" else f"_{part}")
+
+
 def _loop(asm: bool, name: str, acc: list, a_tiles: int) -> str:
     """The K loop of one variant: acc = [(dst, a, b)], A tiles tmm4(+5), B tiles tmm6, tmm7."""
     loads = "".join(f"  %{name}pa{i} = getelementptr i8, ptr %a{i}, i64 %{name}ao\n"

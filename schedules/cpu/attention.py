@@ -41,6 +41,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from . import amx_bf16
 from .common import prefetch_l2
 from .fast_math import fast_exp_expr
 
@@ -724,21 +725,22 @@ def decode_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, d
 
 def prefill_paged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
                                  page_size: int = 16, table: LayerTable | None = None,
-                                 sliding: bool = False, vector: bool = True):
+                                 sliding: bool = False, vector: bool = True, amx: bool = False):
     """Replacement for TVM's `batch_prefill_paged_kv_cpu` (and its `_sliding_window` variant):
     the new tokens of a prefill attending to their sequences' cached pages (a prompt continued,
     a prefix shared by a fork), same signature. CPU: query tiles as in the ragged prefill
     (`_tiled_paged_attention_func`; the per-row form before, with a horizontal sum per key, ran
     512 new tokens over 512 cached at 86-93 GFLOP/s on llama-110m's heads, 218 now).
     `vector=False`: items are (query row, KV head), in parallel, no CPU vector expressions (a
-    GPU build, see `for_gpu`)."""
+    GPU build, see `for_gpu`). `amx`: as in `prefill_ragged_attention_func`."""
     if page_size not in PAGE_SIZES:
         raise ValueError(f"page_size {page_size} is not one of {PAGE_SIZES}")
     PAGE = page_size
     H_kv, H_qo, D = num_kv_heads, num_qo_heads, head_dim
     symbol = "batch_prefill_paged_kv_cpu" + ("_sliding_window" if sliding else "")
     if vector:  # CPU: the query-tile GEMM form
-        return _tiled_paged_attention_func(H_kv, H_qo, D, dtype, PAGE, table, sliding, symbol)
+        return _tiled_paged_attention_func(H_kv, H_qo, D, dtype, PAGE, table, sliding, symbol,
+                                           amx)
     G = H_qo // H_kv
     L = _lanes(D)
     start, block, finish = _online_softmax_macros(G, D, L, dtype, table, H_qo, vector)
@@ -818,7 +820,8 @@ def prefill_paged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim:
 
 
 def prefill_ragged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
-                                  table: LayerTable | None = None, vector: bool = True):
+                                  table: LayerTable | None = None, vector: bool = True,
+                                  amx: bool = False):
     """Replacement for TVM's `tir_attention_prefill_ragged_cpu` (attention among the new tokens
     of a prefill, several sequences packed in one ragged batch), same signature.
 
@@ -828,10 +831,12 @@ def prefill_ragged_attention_func(num_kv_heads: int, num_qo_heads: int, head_dim
     rescale per block, vectorized over the head dim; items run in parallel, rows paired from
     both ends of the ragged batch (row j with row n-1-j) so that threads get equal causal work.
     The query's own token is always among these keys, so the sink (if any) is added here.
-    `vector=False`: no CPU vector expressions (a GPU build, see `for_gpu`).
+    `vector=False`: no CPU vector expressions (a GPU build, see `for_gpu`). `amx`: bfloat16
+    scores on AMX tiles where every key of a block may be read (`_query_tile_macros`).
     """
     if vector:  # CPU: the query-tile GEMM form
-        return _tiled_ragged_attention_func(num_kv_heads, num_qo_heads, head_dim, dtype, table)
+        return _tiled_ragged_attention_func(num_kv_heads, num_qo_heads, head_dim, dtype, table,
+                                            amx)
     H_kv, H_qo, D = num_kv_heads, num_qo_heads, head_dim
     G = H_qo // H_kv
     L = _lanes(D)
@@ -913,7 +918,8 @@ def _vec_exp2(x):
     return fast_exp_expr(x * tirx.Broadcast(tirx.const(LN2, "float32"), QT), f"float32x{QT}")
 
 
-def _query_tile_macros(D: int, kb: int, dtype: str, table: LayerTable | None, H_qo: int):
+def _query_tile_macros(D: int, kb: int, dtype: str, table: LayerTable | None, H_qo: int,
+                       amx: bool = False):
     """The steps the query-tile kernels (ragged and paged prefill) share, over scratch buffers
     qt / ot (D, QT): Q^T pre-scaled and O^T unnormalized; s (KB, QT): scores, then P; st (4,
     QT): running max, denominator, rescale, new max; rng (2, QT): each lane's logical keys
@@ -928,18 +934,30 @@ def _query_tile_macros(D: int, kb: int, dtype: str, table: LayerTable | None, H_
       instead: unwritten slots may hold anything, and 0 x NaN is NaN; clamping costs LLVM the
       constant-stride addresses, so only such a block does it);
     * finish_lane: the lane's sink (when `add_sink`), normalization, its output row and lse;
-    * load_lane / empty_lane / zero_tile: a tile's setup; tile_block: `block` in the form (no
-      mask, masked, clamped) a block's keys need.
+    * load_lane / empty_lane / zero_tile: a tile's setup (end_tile after its blocks);
+      tile_block: `block` in the form (no mask, masked, clamped) a block's keys need.
 
     Half-precision K and V (bfloat16, float16) are widened to float32 once per block into the
     scratch `kv32`, as vectors: read in place, every key element of a block was a scalar load,
     shift and broadcast (Intel Xeon model 167, 2 threads, llama-110m heads, bfloat16: ragged
     512 tokens 116 -> 190 GFLOP/s, 128 tokens 91 -> 137; paged, 512 over 512 or 1536
     cached, 129-134 -> 216-218, as fast as float32).
+
+    `amx` (bfloat16, a CPU with AMX-BF16 that lets the process use it, D a multiple of 32, see
+    targets/llvm.py): a block whose keys may all be read takes its scores from AMX tiles
+    (schedules/cpu/amx_bf16.py `scores_llvm_ir`: K's rows as they lie in the page or the
+    ragged batch against the tile's Q pairs, one tdpbf16ps per 32 head-dim elements), which
+    frees the vector ports for the rest; qt then holds each lane's Q as bfloat16 pairs in
+    32-bit lanes (rows 0..D/2-1, unscaled: a scaled Q rounded back to bfloat16 would lose
+    bits), the scale multiplies the block's scores after, and a clamped block (the end of the
+    keys) widens those pairs back to float32 for its FMAs. The bfloat16 products are exact in
+    float32: the scores differ from the FMA form's only in the order of additions.
     """
     capped = table is not None and table.has_softcap
     sinks = table is not None and table.sinks is not None
     convert = dtype != "float32"  # bfloat16 / float16 K and V: widened per block (kv32)
+    tiles = amx and dtype == "bfloat16" and D % amx_bf16.KSTEP == 0 and kb in (8, 16)
+    qt_dtype = "int32" if tiles else "float32"  # Q^T: bfloat16 pairs' bits, or float32
     R = tirx.Ramp(0, 1, QT)
 
     def bcast(x):
@@ -961,6 +979,13 @@ def _query_tile_macros(D: int, kb: int, dtype: str, table: LayerTable | None, H_
                       for i in range(0, len(values), 2)]
         return values[0]
 
+    def q_pair(qt, d2, odd: bool):
+        """Q^T[2 d2 + odd] as float32 lanes, widened from the bfloat16 pair in row d2 (tiles)."""
+        pair = qt[d2, R]
+        bits = (tirx.bitwise_and(pair, tirx.Broadcast(tirx.const(-65536, "int32"), QT)) if odd
+                else tirx.shift_left(pair, tirx.Broadcast(tirx.const(16, "int32"), QT)))
+        return T.reinterpret(bits, dtype=f"float32x{QT}")
+
     def weighted_values(ot, p, rescale, v_flat, rows, kv32, d):
         """O^T[d] * rescale + sum_t P[t] * V[t, d], as one expression (two partial sums)."""
         parts = [ot[d, R] * rescale, None]
@@ -972,21 +997,37 @@ def _query_tile_macros(D: int, kb: int, dtype: str, table: LayerTable | None, H_
     @T.macro
     def block(qt, ot, s, st, rng, k_flat, v_flat, t0, k_base, v_base, stride, valid,
               sm_scale, masked, clamped, kv32):
-        if convert:  # the block's K and V rows widened to float32 once, as vectors
+        if convert:  # the block's K (for FMAs) and V rows widened to float32 once, as vectors
             for t in T.unroll(kb):
-                for d in T.vectorized(D):
-                    kv32[0, t * D + d] = T.Cast("float32", k_flat[
-                        key(k_base, t, stride, valid, clamped) + d])
+                if not tiles or clamped:
+                    for d in T.vectorized(D):
+                        kv32[0, t * D + d] = T.Cast("float32", k_flat[
+                            key(k_base, t, stride, valid, clamped) + d])
                 for d in T.vectorized(D):
                     kv32[1, t * D + d] = T.Cast("float32", v_flat[
                         key(v_base, t, stride, valid, clamped) + d])
-        for t in T.unroll(kb):
-            s[t, R] = bcast(T.float32(0))
-        for d in T.unroll(D):  # d outer: each Q^T[d] load serves every key of the block
+        if tiles and not clamped:  # every key readable: the scores from AMX tiles
+            with T.attr(0, "pragma_import_llvm", amx_bf16.scores_llvm_ir(kb, D)):
+                T.evaluate(T.call_extern(
+                    "void", amx_bf16.scores_func(kb, D), T.address_of(k_flat[k_base]),
+                    T.Cast("int64", stride * 2), T.address_of(s[0, 0])))
+        else:
             for t in T.unroll(kb):
-                s[t, R] = s[t, R] + qt[d, R] * bcast(
-                    kv32[0, t * D + d] if convert
-                    else k_flat[key(k_base, t, stride, valid, clamped) + d])
+                s[t, R] = bcast(T.float32(0))
+            if tiles:  # a clamped block: FMAs on the pairs widened back
+                for d2 in T.unroll(D // 2):
+                    for t in T.unroll(kb):
+                        s[t, R] = (s[t, R] + q_pair(qt, d2, False) * bcast(kv32[0, t * D + d2 * 2])
+                                   + q_pair(qt, d2, True) * bcast(kv32[0, t * D + d2 * 2 + 1]))
+            else:
+                for d in T.unroll(D):  # d outer: each Q^T[d] load serves every key of the block
+                    for t in T.unroll(kb):
+                        s[t, R] = s[t, R] + qt[d, R] * bcast(
+                            kv32[0, t * D + d] if convert
+                            else k_flat[key(k_base, t, stride, valid, clamped) + d])
+        if tiles:  # Q^T is unscaled there
+            for t in T.unroll(kb):
+                s[t, R] = s[t, R] * bcast(_scale2(table, sm_scale))
         if capped:
             for t in T.unroll(kb):
                 s[t, R] = T.Select(bcast(_cap2(table, sm_scale) > T.float32(0)),
@@ -1062,23 +1103,40 @@ def _query_tile_macros(D: int, kb: int, dtype: str, table: LayerTable | None, H_
         lim[1] = T.max(lim[1], hi)
         lim[2] = T.max(lim[2], lo)
         lim[3] = T.min(lim[3], hi)
-        for d in range(D):
-            qt[d, lane] = T.Cast("float32", q[row, head, d]) * _scale2(table, sm_scale)
+        if tiles:  # the lane's Q as bfloat16 pairs, unscaled
+            for d2 in range(D // 2):
+                qt[d2, lane] = T.reinterpret(q.vload([row, head, d2 * 2], "bfloat16x2"),
+                                             dtype="int32")
+        else:
+            for d in range(D):
+                qt[d, lane] = T.Cast("float32", q[row, head, d]) * _scale2(table, sm_scale)
 
     @T.macro
     def empty_lane(qt, rng, lane):
         """A lane past the last row: no keys, its output never written."""
         rng[0, lane] = 0
         rng[1, lane] = 0
-        for d in range(D):
-            qt[d, lane] = T.float32(0)
+        for d in range(D // 2 if tiles else D):
+            qt[d, lane] = T.Cast(qt_dtype, 0)
 
     @T.macro
-    def zero_tile(ot, st):
+    def zero_tile(ot, st, qt):
+        """The tile's accumulators zeroed (and with `tiles`, its Q loaded into AMX tiles, which
+        `end_tile` releases)."""
         for d in range(D):
             ot[d, R] = bcast(T.float32(0))
         st[0, R] = bcast(T.float32(-5e4))
         st[1, R] = bcast(T.float32(0))
+        if tiles:
+            with T.attr(0, "pragma_import_llvm", amx_bf16.scores_llvm_ir(kb, D)):
+                T.evaluate(T.call_extern("void", amx_bf16.scores_func(kb, D, "begin"),
+                                         T.address_of(qt[0, 0])))
+
+    @T.macro
+    def end_tile():
+        if tiles:
+            with T.attr(0, "pragma_import_llvm", amx_bf16.scores_llvm_ir(kb, D)):
+                T.evaluate(T.call_extern("void", amx_bf16.scores_func(kb, D, "end")))
 
     @T.macro
     def tile_block(qt, ot, s, st, rng, k_flat, v_flat, t0, k_base, v_base, stride, valid,
@@ -1096,12 +1154,12 @@ def _query_tile_macros(D: int, kb: int, dtype: str, table: LayerTable | None, H_
                   sm_scale, True, True, kv32)
 
     # the widened rows' scratch (its elements: 8 KiB at D = 64); float32 blocks read K, V in place
-    return (block, finish_lane, load_lane, empty_lane, zero_tile, tile_block,
-            (2, KB * D) if convert else (1, 1))
+    return (block, finish_lane, load_lane, empty_lane, zero_tile, end_tile, tile_block,
+            (2, KB * D) if convert else (1, 1), qt_dtype)
 
 
 def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
-                                 table: LayerTable | None):
+                                 table: LayerTable | None, amx: bool = False):
     """The ragged prefill as query-tile GEMMs (CPU): see `prefill_ragged_attention_func`.
 
     The (query row, query head) pairs of one KV head, flattened row-major (the G heads of a
@@ -1124,8 +1182,8 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
     512 tokens 154-160 -> 200-207 against scores as one expression per key (Q^T reloaded for
     every key), 16-long max / sum chains and clamped rows in every masked block."""
     G = H_qo // H_kv
-    (_, finish_lane, load_lane, empty_lane, zero_tile, tile_block,
-     kv32_shape) = _query_tile_macros(D, KB, dtype, table, H_qo)
+    (_, finish_lane, load_lane, empty_lane, zero_tile, end_tile, tile_block,
+     kv32_shape, qt_dtype) = _query_tile_macros(D, KB, dtype, table, H_qo, amx)
 
     @T.prim_func(check_well_formed=False)
     def prefill_ragged_attention(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle,
@@ -1160,7 +1218,7 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
         v_flat = T.decl_buffer((kv_len * H_kv * D,), dtype, data=v.data)
 
         for item in T.parallel(T.ceildiv(qo_len * G, QT) * H_kv):
-            qt = T.alloc_buffer((D, QT), "float32", scope=SCRATCH)  # Q^T, pre-scaled
+            qt = T.alloc_buffer((D, QT), qt_dtype, scope=SCRATCH)  # Q^T (see the macros)
             ot = T.alloc_buffer((D, QT), "float32", scope=SCRATCH)  # O^T, unnormalized
             s = T.alloc_buffer((KB, QT), "float32", scope=SCRATCH)  # scores, then P
             kv32 = T.alloc_buffer(kv32_shape, "float32", scope=SCRATCH)  # K, V rows widened
@@ -1192,7 +1250,7 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
                               kv_indptr[seq[0]] + limit, sm_scale)
                 else:  # past the batch's last row
                     empty_lane(qt, rng, lane)
-            zero_tile(ot, st)
+            zero_tile(ot, st, qt)
             kmin = _held("int32", lim[0])  # bound once: scalars, not reloads of `lim` in the block
             kmax = _held("int32", lim[1])
             lo_max = _held("int32", lim[2])
@@ -1203,6 +1261,7 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
                 # a block running past the batch's last key is clamped
                 tile_block(qt, ot, s, st, rng, k_flat, v_flat, t0, base, base, H_kv * D,
                            (0, kv_len - t0), lo_max, hi_min, t0 + KB <= kv_len, sm_scale, kv32)
+            end_tile()
             for lane in range(QT):
                 if tile * QT + lane < qo_len * G:
                     finish_lane(st, ot, output, lse, lane, (tile * QT + lane) // G,
@@ -1212,7 +1271,8 @@ def _tiled_ragged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str,
 
 
 def _tiled_paged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: int,
-                                table: LayerTable | None, sliding: bool, symbol: str):
+                                table: LayerTable | None, sliding: bool, symbol: str,
+                                amx: bool = False):
     """The paged prefill as query-tile GEMMs (CPU): see `prefill_paged_attention_func`.
 
     The ragged kernel's tiles (`_tiled_ragged_attention_func`), cut per sequence (a tile's
@@ -1225,8 +1285,8 @@ def _tiled_paged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: 
     slot t + offset of the page list."""
     G = H_qo // H_kv
     kb = min(KB, PAGE)
-    (_, finish_lane, load_lane, empty_lane, zero_tile, tile_block,
-     kv32_shape) = _query_tile_macros(D, kb, dtype, table, H_qo)
+    (_, finish_lane, load_lane, empty_lane, zero_tile, end_tile, tile_block,
+     kv32_shape, qt_dtype) = _query_tile_macros(D, kb, dtype, table, H_qo, amx)
 
     @T.prim_func(check_well_formed=False)
     def prefill_paged_attention(var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
@@ -1270,7 +1330,7 @@ def _tiled_paged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: 
         # thread's tiles then share their keys (a KV head's 1536 cached keys are 786 KiB of K
         # and V in float32; all 4 of llama-110m's overflow a 2 MiB L2)
         for item in T.parallel((T.ceildiv(total_len * G, QT) + batch_size) * H_kv):
-            qt = T.alloc_buffer((D, QT), "float32", scope=SCRATCH)  # Q^T, pre-scaled
+            qt = T.alloc_buffer((D, QT), qt_dtype, scope=SCRATCH)  # Q^T (see the macros)
             ot = T.alloc_buffer((D, QT), "float32", scope=SCRATCH)  # O^T, unnormalized
             s = T.alloc_buffer((KB, QT), "float32", scope=SCRATCH)  # scores, then P
             kv32 = T.alloc_buffer(kv32_shape, "float32", scope=SCRATCH)  # K, V rows widened
@@ -1317,7 +1377,7 @@ def _tiled_paged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: 
                         load_lane(qt, rng, lim, q, lane, row, head, lo, hi, sm_scale)
                     else:  # past the sequence's last row
                         empty_lane(qt, rng, lane)
-                zero_tile(ot, st)
+                zero_tile(ot, st, qt)
                 kmin = _held("int32", lim[0])
                 kmax = _held("int32", lim[1])
                 lo_max = _held("int32", lim[2])
@@ -1336,6 +1396,7 @@ def _tiled_paged_attention_func(H_kv: int, H_qo: int, D: int, dtype: str, PAGE: 
                         tile_block(qt, ot, s, st, rng, flat, flat, t0, k_base, v_base, D,
                                    (T.max(-t0, 0), n_keys - t0), lo_max, hi_min,
                                    t0 >= 0 and t0 + kb <= n_keys, sm_scale, kv32)
+                end_tile()
                 for lane in range(QT):
                     if tin * QT + lane < n_q * G:
                         row = _held("int32", q_indptr[b] + (tin * QT + lane) // G)

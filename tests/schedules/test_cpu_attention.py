@@ -300,3 +300,74 @@ def test_tiled_paged_prefill_bfloat16():
                                                    (0, 0, 0), 1, seed=5, dtype="bfloat16")
     np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=2e-3)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def _amx_skip_reason():
+    from tvm_llm.targets.llvm import host_cpu_flags, request_amx_permission
+
+    if "amx_bf16" not in host_cpu_flags():
+        return "host CPU has no amx_bf16 flag in /proc/cpuinfo"
+    granted, why = request_amx_permission()  # must precede the first tile instruction
+    return None if granted else f"Linux refused AMX tile state (arch_prctl): {why}"
+
+
+@pytest.mark.parametrize("page,sliding,causal", [(8, False, 1), (16, False, 0), (32, False, 1),
+                                                 (16, True, 0)])
+def test_amx_scores_paged_prefill_bfloat16(page, sliding, causal):
+    """bfloat16 paged prefill with AMX scores (whole key blocks on tdpbf16ps, clamped blocks
+    on FMAs): the same answers as the float reference, NaN in unwritten slots never seen."""
+    reason = _amx_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    import tvm
+
+    from schedules.cpu.attention import prefill_paged_attention_func
+    from tvm_llm.targets.llvm import LLVMTarget
+
+    func = prefill_paged_attention_func(1, 3, 32, "bfloat16", page, sliding=sliding, amx=True)
+    func = tvm.compile(tvm.IRModule({"main": func}), target=LLVMTarget().tvm_target())["main"]
+    offsets = (5, 13, 0) if sliding else (0, 0, 0)
+    got, lse, want, want_lse = _paged_prefill_case(func, page, (45, 0, 70), (11, 6, 23),
+                                                   offsets, causal, seed=page + 7,
+                                                   dtype="bfloat16")
+    np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=2e-3)
+    seen = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[seen], want_lse[seen], rtol=1e-5, atol=1e-5)
+
+
+def test_amx_scores_ragged_prefill_bfloat16():
+    reason = _amx_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    import tvm
+
+    from schedules.cpu.attention import prefill_ragged_attention_func
+    from tvm_llm.targets.llvm import LLVMTarget
+
+    func = tvm.compile(tvm.IRModule({"main": prefill_ragged_attention_func(
+        2, 4, 64, "bfloat16", amx=True)}), target=LLVMTarget().tvm_target())["main"]
+    got, want = _ragged_case(func, 2, 4, 64, "bfloat16", (23, 41, 70), (30, 41, 70), 13)
+    np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=2e-3)
+
+
+def test_cache_kernels_take_amx_scores_only_on_amx_targets():
+    """Compiled, not run: a sapphirerapids build's bfloat16 prefill kernels hold tile
+    instructions (configured once a query tile, released after it); a znver4 build's (AVX512-BF16,
+    no AMX) and a float32 build's hold none."""
+    import tvm
+
+    from schedules.cpu import amx_bf16
+    from schedules.cpu.common import has_feature
+    from schedules.cpu.attention import prefill_ragged_attention_func
+
+    def asm(mcpu, dtype):
+        target = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu",
+                                    "mcpu": mcpu, "num-cores": 2})
+        amx = all(has_feature(f, target) for f in (amx_bf16.FEATURE, "amx-tile"))
+        func = prefill_ragged_attention_func(2, 4, 64, dtype, amx=amx)
+        return tvm.compile(tvm.IRModule({"main": func}), target=target).mod.inspect_source("asm")
+
+    code = asm("sapphirerapids", "bfloat16")
+    assert "tdpbf16ps" in code and "ldtilecfg" in code and "tilerelease" in code
+    for mcpu, dtype in (("znver4", "bfloat16"), ("sapphirerapids", "float32")):
+        assert "tdpbf16ps" not in asm(mcpu, dtype), (mcpu, dtype)

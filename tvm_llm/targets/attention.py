@@ -37,14 +37,17 @@ TVM_KERNELS_WITHOUT_NOALIAS = ("batch_tree_attn", "tree_attn_paged_kv_cpu",
                                "compact_kv_copy_cpu")
 
 
-def cpu_cache_kernels(kv_mod, attn, dtype: str, page_size: int, threads: int = 16) -> dict:
+def cpu_cache_kernels(kv_mod, attn, dtype: str, page_size: int, threads: int = 16,
+                      amx: bool = False) -> dict:
     """CPU: decode, ragged and paged prefill and the sliding-window page layout's kernels
     (ours, honouring the layer table), MLA's latent decode, the q/k/v split and K/V append
     (ours: no thread-pool fork at decode), and TVM's own page kernels (compaction; the append
     where ours do not apply) rebuilt for `page_size`-token pages.
     `threads`: the target's cores; the decode kernel splits a sequence's keys over threads
     only when there are fewer (sequence, KV head) items than that (on 2 cores, llama-110m's
-    4 KV heads are never split: a split's second pass and workspace cost more than they gave)."""
+    4 KV heads are never split: a split's second pass and workspace cost more than they gave).
+    `amx`: the target has AMX-BF16, and bfloat16 prefill kernels take their scores from AMX
+    tiles (schedules/cpu/attention.py `_query_tile_macros`)."""
     from schedules.cpu.attention import (decode_attention_func, prefill_paged_attention_func,
                                          prefill_ragged_attention_func)
 
@@ -53,11 +56,11 @@ def cpu_cache_kernels(kv_mod, attn, dtype: str, page_size: int, threads: int = 1
     kernels = {
         "batch_decode_paged_kv_cpu": decode_attention_func(*shape, page_size=page_size,
                                                            table=table, threads=threads),
-        "batch_prefill_ragged_kv": prefill_ragged_attention_func(*shape, table=table),
+        "batch_prefill_ragged_kv": prefill_ragged_attention_func(*shape, table=table, amx=amx),
         "batch_prefill_paged_kv_cpu": prefill_paged_attention_func(
-            *shape, page_size=page_size, table=table),
+            *shape, page_size=page_size, table=table, amx=amx),
         "batch_prefill_paged_kv_cpu_sliding_window": prefill_paged_attention_func(
-            *shape, page_size=page_size, table=table, sliding=True),
+            *shape, page_size=page_size, table=table, sliding=True, amx=amx),
         # the sliding-window layout's decode runs only in a model whose layers all slide (the
         # runtime enables the layout from the manifest's window): elsewhere the compact
         # per-token form stands in, never called (the vector kernel costs ~2 s of codegen)

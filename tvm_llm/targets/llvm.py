@@ -187,13 +187,17 @@ class LLVMTarget(TargetSpec):
 
     def cache_kernels(self, kv_mod, attn, dtype: str, page_size: int) -> dict:
         """Our CPU attention kernels for any page size (TVM's are scalar and serial), see
-        targets/attention.py."""
-        from schedules.cpu.common import num_cores
+        targets/attention.py; bfloat16 prefill scores on AMX tiles where the CPU has them (as
+        the bfloat16 prefill matmuls, schedules/cpu/amx_prefill.py)."""
+        from schedules.cpu import amx_bf16
+        from schedules.cpu.common import has_feature, num_cores
 
         from .attention import cpu_cache_kernels
 
-        return cpu_cache_kernels(kv_mod, attn, dtype, page_size,
-                                 threads=num_cores(self.tvm_target()))
+        target = self.tvm_target()
+        return cpu_cache_kernels(kv_mod, attn, dtype, page_size, threads=num_cores(target),
+                                 amx=all(has_feature(f, target)
+                                         for f in (amx_bf16.FEATURE, "amx-tile")))
 
     def rule_grid(self, mod, only: str | None = None) -> list:
         from schedules.cpu.tile_grid import grid_schedules

@@ -153,6 +153,19 @@ stream would spare the caches the rest of the step runs from: for all weights 1.
 over 40 rounds each order, and the attention call between two linears no faster; for 4-bit
 weights only 0.99 / 0.96x over 20 rounds, inside those rounds' 0.83-1.28 spread (not repeated).
 
+k-quant groups per decode statement on znver4 (stop 51, AMD EPYC family 25 model 17, 2 cores):
+the 24-line bursts chosen on the Xeon (block_sum, 4 q4_k groups and their 16 prefetches per
+statement) left every k-quant kernel at 0.44-0.74 of the same-bytes stream while q4_0 and
+q8_0 (a statement per group) reached 0.8-1.0. One group a statement (the zen4 row's
+int8_decode_burst_lines = 4: q3_k, q4_k one group, q5_k / q6_k one group over the limit),
+`scripts/bench_int8_kernel.py --formats q3_k,q5_k,q6_k,q4_k --rows 1 --act-bits 8 --cold
+--rotate-mb 1200 --against OLD.py`, llama-110m qkv / gate_up / down, one interleaved run: q3_k
+0.58 / 0.54 / 0.66 -> 0.90 / 0.96 / 0.96, q4_k 0.74 / 0.66 / 0.66 -> 0.94 / 0.83 / 0.92, q5_k
+0.72 / 0.65 / 0.71 -> 0.92 / 0.94 / 0.85, q6_k 0.61 / 0.60 / 0.44 -> 0.95 / 0.82 / 0.67 (two
+groups a statement, 8 lines, sat between: q4_k 0.80-0.87). Whole llama-1b q4 builds (the
+CLI's mix, `scripts/ab_decode.py OLD NEW --rounds 16`, both load orders): 0.829x and 0.820x
+the step time (40.6 -> 49.1 tok/s in the first).
+
 Without VNNI (dot "avx512bw": AVX-512 CPUs before Cascade Lake; dot "avx2": Zen 2/3, Haswell to
 the client cores): the same layout, quantization and float terms; each group's dot products
 come from vpmaddubsw (unsigned weight byte x signed activation byte, adjacent pairs summed to
@@ -212,9 +225,11 @@ GROUP = 32
 # (vpmaddubsw + vpmaddwd); the target picks (targets/llvm.py int8_dot_isa)
 DOT_ISAS = ("vnni", "avx512bw", "avx2")
 PREFETCH_BYTES = 8192  # weights prefetched this far ahead into L2 (measured best of 1-64 KiB)
-# k-quant decode: the most prefetched lines issued together before one statement (block_sum):
-# on an Intel Xeon (model 167) whole super-blocks as one statement (q4_k: 32 lines) ran 8-10%
-# slower than a statement per group, and blocks of at most 24 lines 1-9% faster
+# k-quant decode: the most prefetched lines issued together before one statement (block_sum),
+# by default (a CPU's row may set its own: microarch.TileRow.int8_decode_burst_lines): on an
+# Intel Xeon (model 167) whole super-blocks as one statement (q4_k: 32 lines) ran 8-10% slower
+# than a statement per group, and blocks of at most 24 lines 1-9% faster; on znver4 one group
+# a statement (4 lines) streams 1.2-1.5x faster than 24 (see "Decode's software prefetch")
 DECODE_BURST_LINES = 24
 # decode's prefetch per group with VNNI: the first 64-byte line into L2, every line into L2, or
 # every line into L1 (per CPU: microarch.TileRow.int8_decode_prefetch); without VNNI always
@@ -231,14 +246,17 @@ def chunks_per_group(fmt) -> int:
 
 def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
                          act_bits: int = 8, dot: str = "vnni",
-                         decode_prefetch: str = "first-line") -> tvm.tirx.PrimFunc:
+                         decode_prefetch: str = "first-line",
+                         decode_burst_lines: int = DECODE_BURST_LINES) -> tvm.tirx.PrimFunc:
     """The kernel for x: (A, B, K) float32 -> (A, B, N) and weights of format `fmt` (a
     quantization.formats.WeightFormat) in the layout above. N = None: N / 16 tiles left
     symbolic (bound by the weight buffer's first dimension): one parse serves every N of this
     K, each shape then being `specialize_n`'s (TVMScript parsing took ~1 s per kernel).
     act_bits 16: 16-bit activations as two int8 halves (see "16-bit activations" above).
     dot: the instructions of the group dot products, one of DOT_ISAS (see "Without VNNI").
-    decode_prefetch: one of DECODE_PREFETCH, what decode prefetches of each group with VNNI."""
+    decode_prefetch: one of DECODE_PREFETCH, what decode prefetches of each group with VNNI.
+    decode_burst_lines: k-quant decode adds as many groups of a super-block per statement as
+    keep their prefetched lines within this (at least one group)."""
     from tvm_llm.quantization.formats import ACTIVATION_QMAX, super_groups
     from tvm_llm.quantization.scheme import field_pieces
 
@@ -463,8 +481,8 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
         return main
 
     # decode, k-quants: V groups of a super-block per statement (block_sum), their prefetches
-    # together before it, at most DECODE_BURST_LINES lines
-    V = next(v for v in range(U, 0, -1) if U % v == 0 and v * C <= DECODE_BURST_LINES)
+    # together before it, at most decode_burst_lines lines (one group at least)
+    V = next((v for v in range(U, 0, -1) if U % v == 0 and v * C <= decode_burst_lines), 1)
 
     def kquant_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u, groups):
         """Decode, k-quants: the tile's 16 sums over `groups` of super-block u as one

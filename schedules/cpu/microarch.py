@@ -140,6 +140,9 @@ class TileRow:
     # VNNI always every line); for 4-bit weights int8_decode_prefetch_4bit where set
     int8_decode_prefetch: str = "first-line"
     int8_decode_prefetch_4bit: str | None = None
+    # k-quant decode's prefetched lines per statement (int8_act_matmul.py block_sum); None: the
+    # kernel's DECODE_BURST_LINES
+    int8_decode_burst_lines: int | None = None
     # the float32 GEMM micro-kernel's software prefetch of its panel, bytes ahead (0: none;
     # pipeline.row_tile_loops)
     gemm_prefetch_bytes: int = 0
@@ -165,7 +168,8 @@ ROWS = (
     TileRow("zen4", ("znver4",), "avx512",
             gemm=((4, 3), (7, 2), (3, 4), (15, 1)),
             gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),
-            gemv_decode=_DECODE, measured=True, int8_decode_prefetch_4bit="every-line-l1"),
+            gemv_decode=_DECODE, measured=True, int8_decode_prefetch_4bit="every-line-l1",
+            int8_decode_burst_lines=4),
     TileRow("zen5", ("znver5",), "avx512",
             gemm=((7, 2), (4, 3), (3, 4), (15, 1)),
             gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),

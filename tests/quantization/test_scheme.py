@@ -157,6 +157,33 @@ def test_decode_prefetch_follows_the_cpu_row(cpu, fmt, prefetches):
     assert decode == prefetches, decode
 
 
+@pytest.mark.parametrize("fmt", ["q3_k", "q4_k", "q6_k"])
+def test_kquant_decode_statements_follow_the_cpu_row(fmt):
+    """k-quant decode adds one group of a super-block per statement on znver4 (its row's
+    int8_decode_burst_lines: 4 lines) and several on an Intel Xeon (the 24-line default): both
+    kernels, compiled for this host, give the reference's result at batch 1."""
+    if not _has_vnni():
+        pytest.skip("the int8-activation kernel needs AVX-512 VNNI on the host")
+    from schedules.cpu.microarch import tile_row
+
+    rows = {cpu: tile_row(get_target("llvm", arch=cpu).tvm_target()) for cpu in ("znver4", "sapphirerapids")}
+    assert rows["znver4"].int8_decode_burst_lines == 4
+    assert rows["sapphirerapids"].int8_decode_burst_lines is None
+    K, N = 512, 48  # two super-blocks of 8 groups: 8 statements each on znver4, fewer elsewhere
+    w = _weights(N, K)
+    wd = FORMATS[fmt].dequantize(FORMATS[fmt].quantize(w))
+    dev = tvm.cpu()
+    stored = [tvm.runtime.tensor(a, dev) for a in stored_np(w, fmt, "vnni")]
+    x = np.random.default_rng(4).standard_normal((1, 1, K)).astype("float32")
+    y = fake_quantize_activation(x, 8).astype(np.float64) @ wd.T.astype(np.float64)
+    ref = y / (1 + np.exp(-y))
+    for cpu in rows:
+        vm = _scheduled_matmul(K, N, fmt, "vnni", (tvm.tirx.Var("n", "int64"), 1, K),
+                               spec=get_target("llvm", arch=cpu))
+        got = vm["main"](tvm.runtime.tensor(x, dev), *stored).numpy()
+        assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), cpu
+
+
 @pytest.mark.parametrize("fmt", ["q4_k", "q8_0"])
 def test_weight_only_kernels_on_an_avx2_target(fmt):
     """Weight-only builds (--activations float) on CPUs without AVX-512 (x86-64-v3 code runs

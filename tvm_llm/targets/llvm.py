@@ -83,7 +83,8 @@ def llvm_hw_key(target) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _int8_act_template(fmt: str, K: int, out_dtype: str, act_bits: int, dot: str, prefetch: str):
+def _int8_act_template(fmt: str, K: int, out_dtype: str, act_bits: int, dot: str, prefetch: str,
+                       burst: int | None):
     """The int8-activation kernel of one (format, K) with its N symbolic, made once per process:
     it is written in TVMScript, and parsing it took ~1-3 s per kernel (most of a q4 build's
     passes), while a model has only a few distinct K. PrimFuncs are immutable: sharing is safe."""
@@ -91,19 +92,20 @@ def _int8_act_template(fmt: str, K: int, out_dtype: str, act_bits: int, dot: str
 
     from ..quantization.formats import get_format
 
+    kw = {} if burst is None else {"decode_burst_lines": burst}
     return int8_act_matmul_func(get_format(fmt), K, None, out_dtype, act_bits, dot,
-                                decode_prefetch=prefetch)
+                                decode_prefetch=prefetch, **kw)
 
 
 @functools.lru_cache(maxsize=None)
 def _int8_act_kernel(fmt: str, K: int, N: int, out_dtype: str, act_bits: int, dot: str,
-                     prefetch: str):
+                     prefetch: str, burst: int | None):
     """The template specialized to N (milliseconds)."""
     from schedules.cpu.int8_act_matmul import specialize_n
 
     from ..quantization.formats import get_format
 
-    return specialize_n(_int8_act_template(fmt, K, out_dtype, act_bits, dot, prefetch),
+    return specialize_n(_int8_act_template(fmt, K, out_dtype, act_bits, dot, prefetch, burst),
                         get_format(fmt), K, N)
 
 
@@ -182,8 +184,9 @@ class LLVMTarget(TargetSpec):
                             "(x86 with AVX2 or AVX-512): build with --activations float")
         from ..quantization.formats import get_format
 
+        row = tile_row(self.tvm_target())
         return _int8_act_kernel(fmt, K, N, out_dtype, act_bits, dot,
-                                tile_row(self.tvm_target()).int8_prefetch(get_format(fmt).bits))
+                                row.int8_prefetch(get_format(fmt).bits), row.int8_decode_burst_lines)
 
     def cache_kernels(self, kv_mod, attn, dtype: str, page_size: int) -> dict:
         """Our CPU attention kernels for any page size (TVM's are scalar and serial), see

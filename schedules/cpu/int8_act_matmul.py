@@ -164,7 +164,7 @@ int8_decode_burst_lines = 4: q3_k, q4_k one group, q5_k / q6_k one group over th
 0.72 / 0.65 / 0.71 -> 0.92 / 0.94 / 0.85, q6_k 0.61 / 0.60 / 0.44 -> 0.95 / 0.82 / 0.67 (two
 groups a statement, 8 lines, sat between: q4_k 0.80-0.87). Whole llama-1b q4 builds (the
 CLI's mix, `scripts/ab_decode.py OLD NEW --rounds 16`, both load orders): 0.829x and 0.820x
-the step time (40.6 -> 49.1 tok/s in the first). Tried there and not kept: high nibbles masked in
+the step time (40.6 -> 49.1 tok/s in the first); llama-110m q4 0.718x and 0.764x. Tried there and not kept: high nibbles masked in
 place (16 x the code, one `vpand` instead of a `vgf2p8affineqb`) on a second vpdpbusd chain
 shifted right by 4 at the end (two chains of 4, not one of 8): hot q4_k on one thread equal
 (gate_up 42.5 against 42.3 GB/s, down 39.3 against 38.2), so neither the GF2 unit nor the

@@ -83,14 +83,12 @@ def main() -> None:
         """The build's AMX choice (targets/llvm.py) for a version whose kernels take it."""
         import inspect
 
-        from schedules.cpu import amx_bf16
-        from schedules.cpu.common import has_feature
+        from schedules.cpu.amx_bf16 import target_has_amx
         from tvm_llm.targets.llvm import request_amx_permission
 
         if "amx" not in inspect.signature(getattr(module, func)).parameters:
             return {}
-        amx = all(has_feature(f, target) for f in (amx_bf16.FEATURE, "amx-tile"))
-        return {"amx": amx and request_amx_permission()[0]}
+        return {"amx": target_has_amx(target) and request_amx_permission()[0]}
     dev = tvm.cpu()
     rng = np.random.default_rng(0)
 

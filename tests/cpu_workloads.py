@@ -21,6 +21,17 @@ def host_target(num_cores: int = 2) -> tvm.target.Target:
     return tvm.target.Target({k: v for k, v in spec.items() if k not in ("tag", "keys")})
 
 
+def amx_skip_reason() -> str | None:
+    """Why AMX tile code cannot run here (None: it can). Asks Linux for the tile state, which
+    must precede the process's first tile instruction."""
+    from tvm_llm.targets.llvm import host_cpu_flags, request_amx_permission
+
+    if "amx_bf16" not in host_cpu_flags():
+        return "host CPU has no amx_bf16 flag in /proc/cpuinfo"
+    granted, why = request_amx_permission()
+    return None if granted else f"Linux refused AMX tile state (arch_prctl): {why}"
+
+
 def reference_linear(x, w, epilogue, extra):
     """numpy result of the `linear` workload: x @ w.T followed by `epilogue`."""
     import numpy as np

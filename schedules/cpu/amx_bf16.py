@@ -44,8 +44,18 @@ from __future__ import annotations
 
 import tvm
 
+from .common import has_feature
+
 LLVM_FUNC = "tvm_llm_amx_bf16_32x32"
 FEATURE = "amx-bf16"
+
+
+def target_has_amx(target) -> bool:
+    """Whether `target`'s CPU has AMX-BF16 tiles (amx-tile and amx-bf16): the condition of every
+    AMX kernel choice (prefill matmuls, bfloat16 prefill attention scores)."""
+    return all(has_feature(f, target) for f in (FEATURE, "amx-tile"))
+
+
 BLOCK = 32  # rows and columns of C per call
 KSTEP = 32  # k per tdpbf16ps (16 pairs = 64 bytes of an A row)
 

@@ -27,7 +27,7 @@ def usable(target: Target, pat: common.MatmulPattern, pn: int, sch: s_tir.Schedu
     """Whether the kernel takes the AMX path: AMX-BF16 in the target, bfloat16 A and B with a
     float32 C, a prefill (symbolic M, not a decode step), 16-column-aligned panels, N and K
     multiples of 32, and A a plain kernel parameter (no prologue computes it in the kernel)."""
-    if not all(common.has_feature(f, target) for f in (amx_bf16.FEATURE, "amx-tile")):
+    if not amx_bf16.target_has_amx(target):
         return False
     if pat.input_dtype != "bfloat16" or pat.dtype != "float32" or not pat.b_transposed:
         return False

@@ -8,14 +8,7 @@ import tvm
 
 from schedules.cpu import amx_bf16
 from tvm_llm.targets import get_target
-from tvm_llm.targets.llvm import host_cpu_flags, request_amx_permission
-
-
-def _amx_skip_reason():
-    if "amx_bf16" not in host_cpu_flags():
-        return "host CPU has no amx_bf16 flag in /proc/cpuinfo"
-    granted, why = request_amx_permission()  # must precede the first tile instruction
-    return None if granted else f"Linux refused AMX tile state (arch_prctl): {why}"
+from cpu_workloads import amx_skip_reason
 
 
 def _build(K, N, PN=32, asm=True, target=None):
@@ -31,7 +24,7 @@ def test_amx_gemm_matches_numpy(K, N, PN):
     document: |err| <= K * 2^-24 * (|A| @ |W|^T) holds for any order (the classic gamma_K
     bound on the float64-exact value), and a misplaced row, column or k-pair would be far
     outside it (errors of the size of the entries themselves)."""
-    reason = _amx_skip_reason()
+    reason = amx_skip_reason()
     if reason:
         pytest.skip(reason)
     import ml_dtypes
@@ -127,7 +120,7 @@ def test_amx_prefill_kernel_matches_numpy_with_its_epilogue():
     """The model-level kernel on this CPU (prefill on AMX with the residual add after it, decode
     on vdpbf16ps), for full, partial and single-row blocks, against numpy on the same bf16
     values (tolerance as test_amx_gemm_matches_numpy: float32 summation in another order)."""
-    reason = _amx_skip_reason()
+    reason = amx_skip_reason()
     if reason:
         pytest.skip(reason)
     import ml_dtypes

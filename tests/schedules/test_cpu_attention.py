@@ -302,21 +302,14 @@ def test_tiled_paged_prefill_bfloat16():
     np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
-def _amx_skip_reason():
-    from tvm_llm.targets.llvm import host_cpu_flags, request_amx_permission
-
-    if "amx_bf16" not in host_cpu_flags():
-        return "host CPU has no amx_bf16 flag in /proc/cpuinfo"
-    granted, why = request_amx_permission()  # must precede the first tile instruction
-    return None if granted else f"Linux refused AMX tile state (arch_prctl): {why}"
-
-
 @pytest.mark.parametrize("page,sliding,causal", [(8, False, 1), (16, False, 0), (32, False, 1),
                                                  (16, True, 0)])
 def test_amx_scores_paged_prefill_bfloat16(page, sliding, causal):
     """bfloat16 paged prefill with AMX scores (whole key blocks on tdpbf16ps, clamped blocks
     on FMAs): the same answers as the float reference, NaN in unwritten slots never seen."""
-    reason = _amx_skip_reason()
+    from cpu_workloads import amx_skip_reason
+
+    reason = amx_skip_reason()
     if reason:
         pytest.skip(reason)
     import tvm
@@ -336,7 +329,9 @@ def test_amx_scores_paged_prefill_bfloat16(page, sliding, causal):
 
 
 def test_amx_scores_ragged_prefill_bfloat16():
-    reason = _amx_skip_reason()
+    from cpu_workloads import amx_skip_reason
+
+    reason = amx_skip_reason()
     if reason:
         pytest.skip(reason)
     import tvm
@@ -356,15 +351,13 @@ def test_cache_kernels_take_amx_scores_only_on_amx_targets():
     no AMX) and a float32 build's hold none."""
     import tvm
 
-    from schedules.cpu import amx_bf16
-    from schedules.cpu.common import has_feature
+    from schedules.cpu.amx_bf16 import target_has_amx
     from schedules.cpu.attention import prefill_ragged_attention_func
 
     def asm(mcpu, dtype):
         target = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu",
                                     "mcpu": mcpu, "num-cores": 2})
-        amx = all(has_feature(f, target) for f in (amx_bf16.FEATURE, "amx-tile"))
-        func = prefill_ragged_attention_func(2, 4, 64, dtype, amx=amx)
+        func = prefill_ragged_attention_func(2, 4, 64, dtype, amx=target_has_amx(target))
         return tvm.compile(tvm.IRModule({"main": func}), target=target).mod.inspect_source("asm")
 
     code = asm("sapphirerapids", "bfloat16")

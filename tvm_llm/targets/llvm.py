@@ -192,15 +192,14 @@ class LLVMTarget(TargetSpec):
         """Our CPU attention kernels for any page size (TVM's are scalar and serial), see
         targets/attention.py; bfloat16 prefill scores on AMX tiles where the CPU has them (as
         the bfloat16 prefill matmuls, schedules/cpu/amx_prefill.py)."""
-        from schedules.cpu import amx_bf16
-        from schedules.cpu.common import has_feature, num_cores
+        from schedules.cpu.amx_bf16 import target_has_amx
+        from schedules.cpu.common import num_cores
 
         from .attention import cpu_cache_kernels
 
         target = self.tvm_target()
         return cpu_cache_kernels(kv_mod, attn, dtype, page_size, threads=num_cores(target),
-                                 amx=all(has_feature(f, target)
-                                         for f in (amx_bf16.FEATURE, "amx-tile")))
+                                 amx=target_has_amx(target))
 
     def rule_grid(self, mod, only: str | None = None) -> list:
         from schedules.cpu.tile_grid import grid_schedules

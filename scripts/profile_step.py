@@ -32,6 +32,8 @@ def main(argv=None):
     p.add_argument("--cold", type=int, default=0, metavar="MB",
                    help="read an MB-sized buffer before every prefill (0: warm caches)")
     args = p.parse_args(argv)
+    if args.cold < 0:
+        p.error(f"--cold takes megabytes >= 0, not {args.cold}")
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import numpy as np

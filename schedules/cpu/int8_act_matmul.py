@@ -113,7 +113,8 @@ on llama-1b), so znver5 takes that. On znver4 it pays for 4-bit weights only (bu
 with each policy, llama-110m, int8 activations, scripts/ab_decode.py, 40 rounds, 2 threads,
 both load orders: every-line-l1 against first-line 0.86 / 0.87x the step time for q4_1, 0.97 /
 0.88x q4_0, 0.90 / 0.85x q4_k; 1 thread 0.85x q4_1, 0.92-0.93x q4_0, but ~1.03x q4_k; q8_0 at
-2 threads 1.02x, worse), so the zen4 row sets int8_decode_prefetch_4bit (TileRow.int8_prefetch)
+2 threads 1.02x, worse), so the zen4 row sets int8_decode_prefetch_4bit (TileRow.int8_prefetch;
+k-quants went back to the first line at stop 52: the end of "k-quant groups per decode statement")
 and 8-bit weights keep the first line. On an Intel Xeon (model 167, AMX; 2 threads, both load
 orders) every-line-l1 won for both: the q4 default 0.81-0.82x the step time on llama-110m and
 0.93-0.95x on llama-1b, q8 0.84-0.90x and 0.93-0.96x, so the Intel row took it for all weights;
@@ -169,6 +170,12 @@ place (16 x the code, one `vpand` instead of a `vgf2p8affineqb`) on a second vpd
 shifted right by 4 at the end (two chains of 4, not one of 8): hot q4_k on one thread equal
 (gate_up 42.5 against 42.3 GB/s, down 39.3 against 38.2), so neither the GF2 unit nor the
 chain's latency bounds a group; ~45 vector instructions do (a third of them codes and floats).
+With one group a statement, k-quants on znver4 prefetch each group's first line into L2 again
+(the row's int8_decode_prefetch_kquant; q4_0 / q4_1 keep every line into L1), stop 52, same
+CPU, `scripts/ab_decode.py` against every-line-l1, 2 threads, 10-16 rounds, both load orders:
+llama-1b q4 (the CLI's mix, int8 activations) 0.871 / 0.951x the step time, llama-110m q4
+0.987 / 0.979x; q4_k with 16-bit activations llama-1b 0.900 / 1.005x, llama-110m 1.040 /
+1.033x; q6_k llama-110m 1.009 / 0.992x. Every line into L2 instead: llama-1b q4 0.982x.
 
 Without VNNI (dot "avx512bw": AVX-512 CPUs before Cascade Lake; dot "avx2": Zen 2/3, Haswell to
 the client cores): the same layout, quantization and float terms; each group's dot products

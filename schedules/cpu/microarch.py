@@ -140,6 +140,9 @@ class TileRow:
     # VNNI always every line); for 4-bit weights int8_decode_prefetch_4bit where set
     int8_decode_prefetch: str = "first-line"
     int8_decode_prefetch_4bit: str | None = None
+    # k-quant weights' (q3_k ... q6_k) decode prefetch where set, before the 4-bit choice: their
+    # decode statements differ from q4_0 / q4_1's (block_sum, int8_decode_burst_lines)
+    int8_decode_prefetch_kquant: str | None = None
     # k-quant decode's prefetched lines per statement (int8_act_matmul.py block_sum); None: the
     # kernel's DECODE_BURST_LINES
     int8_decode_burst_lines: int | None = None
@@ -154,9 +157,12 @@ class TileRow:
     # are at most this many bytes (0: whole K always; gemm._schedule_k_blocked)
     gemm_k_block_bytes: int = 0
 
-    def int8_prefetch(self, weight_bits: int) -> str:
+    def int8_prefetch(self, weight_bits: int, kquant: bool = False) -> str:
         """The int8-activation decode's prefetch for weights of `weight_bits` (3-6: the
-        4-bit choice, for codes of 3-6 bits in fields of chunks; 8)."""
+        4-bit choice, for codes of 3-6 bits in fields of chunks; 8); k-quants take
+        int8_decode_prefetch_kquant where the row sets it."""
+        if kquant and self.int8_decode_prefetch_kquant:
+            return self.int8_decode_prefetch_kquant
         if weight_bits < 8 and self.int8_decode_prefetch_4bit:
             return self.int8_decode_prefetch_4bit
         return self.int8_decode_prefetch
@@ -169,7 +175,7 @@ ROWS = (
             gemm=((4, 3), (7, 2), (3, 4), (15, 1)),
             gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),
             gemv_decode=_DECODE, measured=True, int8_decode_prefetch_4bit="every-line-l1",
-            int8_decode_burst_lines=4),
+            int8_decode_prefetch_kquant="first-line", int8_decode_burst_lines=4),
     TileRow("zen5", ("znver5",), "avx512",
             gemm=((7, 2), (4, 3), (3, 4), (15, 1)),
             gemv_prefill=((3, 4), (2, 4), (3, 2), (1, 4), (1, 2), (1, 1)),

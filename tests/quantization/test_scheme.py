@@ -184,6 +184,27 @@ def test_kquant_decode_statements_follow_the_cpu_row(fmt):
         assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), cpu
 
 
+def test_decode_prefetch_follows_the_cpu_row():
+    """On znver4 k-quant decode prefetches each group's first line into L2 (the row's
+    int8_decode_prefetch_kquant) while q4_0 takes every line into L1 (prefetch locality 3);
+    on the Xeon's row every 4-bit format takes every line into L2 and 8-bit weights into L1."""
+    import re
+
+    from schedules.cpu.microarch import tile_row
+
+    def localities(cpu, fmt):
+        src = get_target("llvm", arch=cpu).quantized_matmul_kernel(fmt, 512, 64, "float32", 8).script()
+        return set(re.findall(r'"llvm\.prefetch", .*?, 0, (\d), 1\)', src))
+
+    zen4 = tile_row(get_target("llvm", arch="znver4").tvm_target())
+    assert zen4.int8_prefetch(4, kquant=True) == "first-line"
+    assert zen4.int8_prefetch(4) == "every-line-l1" and zen4.int8_prefetch(8) == "first-line"
+    want = {("znver4", "q4_k"): {"2"}, ("znver4", "q6_k"): {"2"}, ("znver4", "q4_0"): {"2", "3"},
+            ("znver4", "q8_0"): {"2"}, ("sapphirerapids", "q4_k"): {"2"},
+            ("sapphirerapids", "q4_0"): {"2"}, ("sapphirerapids", "q8_0"): {"2", "3"}}
+    assert {key: localities(*key) for key in want} == want
+
+
 @pytest.mark.parametrize("fmt", ["q4_k", "q8_0"])
 def test_weight_only_kernels_on_an_avx2_target(fmt):
     """Weight-only builds (--activations float) on CPUs without AVX-512 (x86-64-v3 code runs

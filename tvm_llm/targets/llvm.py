@@ -184,9 +184,9 @@ class LLVMTarget(TargetSpec):
                             "(x86 with AVX2 or AVX-512): build with --activations float")
         from ..quantization.formats import get_format
 
-        row = tile_row(self.tvm_target())
+        row, wf = tile_row(self.tvm_target()), get_format(fmt)
         return _int8_act_kernel(fmt, K, N, out_dtype, act_bits, dot,
-                                row.int8_prefetch(get_format(fmt).bits), row.int8_decode_burst_lines)
+                                row.int8_prefetch(wf.bits, wf.kind == "kquant"), row.int8_decode_burst_lines)
 
     def cache_kernels(self, kv_mod, attn, dtype: str, page_size: int) -> dict:
         """Our CPU attention kernels for any page size (TVM's are scalar and serial), see

@@ -137,7 +137,8 @@ def test_int8_activation_kernels_without_vnni(cpu, isa, fmt, bits):
 
 
 @pytest.mark.parametrize("cpu,fmt,prefetches", [
-    ("znver4", "q4_k", {("c", "3")}), ("znver4", "q8_0", {("0", "2")}),
+    ("znver4", "q4_k", {("0", "2")}), ("znver4", "q6_k", {("0", "2")}),
+    ("znver4", "q4_0", {("c", "3")}), ("znver4", "q8_0", {("0", "2")}),
     ("znver5", "q4_k", {("c", "3")}), ("znver5", "q8_0", {("c", "3")}),
     ("sapphirerapids", "q4_k", {("c", "2")}), ("sapphirerapids", "q8_0", {("c", "3")}),
     ("skylake-avx512", "q4_k", {("c", "2")}),
@@ -146,9 +147,9 @@ def test_decode_prefetch_follows_the_cpu_row(cpu, fmt, prefetches):
     """Batch-1 decode prefetches, PREFETCH_BYTES ahead, the first 64-byte chunk of each group
     into L2 (wp[nt, g + d, 0, 0], locality 2) with VNNI; every chunk (wp[nt, g + d, c, 0] in a
     loop over c) without VNNI (x86-64-v3, skylake-avx512), and every chunk into L1 (locality
-    3) where the CPU's row in schedules/cpu/microarch.py says so (znver5; znver4 for 4-bit
-    weights only; Intel Xeons with VNNI for 8-bit weights, their 4-bit weights every chunk
-    into L2)."""
+    3) where the CPU's row in schedules/cpu/microarch.py says so (znver5; znver4 for q4_0 /
+    q4_1 only, its k-quants the first chunk into L2; Intel Xeons with VNNI for 8-bit weights,
+    their 4-bit weights every chunk into L2)."""
     import re
 
     f = get_target("llvm", arch=cpu).quantized_matmul_kernel(fmt, 480, 48, "float32", 16)
@@ -182,27 +183,6 @@ def test_kquant_decode_statements_follow_the_cpu_row(fmt):
                                spec=get_target("llvm", arch=cpu))
         got = vm["main"](tvm.runtime.tensor(x, dev), *stored).numpy()
         assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), cpu
-
-
-def test_decode_prefetch_follows_the_cpu_row():
-    """On znver4 k-quant decode prefetches each group's first line into L2 (the row's
-    int8_decode_prefetch_kquant) while q4_0 takes every line into L1 (prefetch locality 3);
-    on the Xeon's row every 4-bit format takes every line into L2 and 8-bit weights into L1."""
-    import re
-
-    from schedules.cpu.microarch import tile_row
-
-    def localities(cpu, fmt):
-        src = get_target("llvm", arch=cpu).quantized_matmul_kernel(fmt, 512, 64, "float32", 8).script()
-        return set(re.findall(r'"llvm\.prefetch", .*?, 0, (\d), 1\)', src))
-
-    zen4 = tile_row(get_target("llvm", arch="znver4").tvm_target())
-    assert zen4.int8_prefetch(4, kquant=True) == "first-line"
-    assert zen4.int8_prefetch(4) == "every-line-l1" and zen4.int8_prefetch(8) == "first-line"
-    want = {("znver4", "q4_k"): {"2"}, ("znver4", "q6_k"): {"2"}, ("znver4", "q4_0"): {"2", "3"},
-            ("znver4", "q8_0"): {"2"}, ("sapphirerapids", "q4_k"): {"2"},
-            ("sapphirerapids", "q4_0"): {"2"}, ("sapphirerapids", "q8_0"): {"2", "3"}}
-    assert {key: localities(*key) for key in want} == want
 
 
 @pytest.mark.parametrize("fmt", ["q4_k", "q8_0"])

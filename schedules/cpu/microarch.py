@@ -27,9 +27,11 @@ neon               aarch64 (generic, neoverse-*, apple-*)                      r
   shapes, n=128): packed GEMM 4x3 and 7x2 at 106-111 GFLOP/s (~95% of one 512-bit FMA per
   cycle); row-major GEMV-rule prefill 3x4 80 GF/s, 2x6 74, 1x8 45; decode 1x8 at torch.sum's
   bandwidth, 2x6 15% slower. The int8-activation decode prefetches every line of a group into
-  L1 for 4-bit weights (llama-110m builds, 2 threads, scripts/ab_decode.py, both load orders:
-  q4_1 0.86x the step time, q4_0 0.88-0.97x, q4_k 0.85-0.90x; q8_0 1.02x, so 8-bit keeps the
-  first line; see int8_act_matmul.py). Float32 decode keeps one panel at a time: 4 or 2 panels
+  L1 for q4_0 / q4_1 (llama-110m builds, 2 threads, scripts/ab_decode.py, both load orders:
+  q4_1 0.86x the step time, q4_0 0.88-0.97x; q8_0 1.02x, so 8-bit keeps the first line). k-quants
+  had taken it too (q4_k 0.85-0.90x) until they moved to one group a statement (stop 51); since
+  then the first line into L2 steps llama-1b q4 in 0.871 / 0.951x the time of every line into L1
+  (stop 52, int8_decode_prefetch_kquant; see int8_act_matmul.py). Float32 decode keeps one panel at a time: 4 or 2 panels
   side by side (gemm_decode_streams) stepped a llama-110m build in 1.02-1.06x the time, and
   prefetching the panel 2 KiB ahead into L1 1.03x, 8 KiB 0.98-1.00x (scripts/ab_decode.py, 2
   threads, 20 rounds, both load orders; stop 43).

@@ -478,6 +478,26 @@ def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target_spec,
     16-token pages), so on CPU every kernel that reads or writes pages is rebuilt for
     `page_size`; the runtime must create the cache with the same page size (the manifest
     records it). Other targets take 16 only (checked by the target, tvm_llm/targets/)."""
+    key = (type(target_spec).__name__, target_spec.arch, repr(sorted(target_spec.options.items())),
+           str(target_spec.tvm_target()), repr(attn), dtype, page_size)
+    if key not in _CACHE_MODULES:
+        _CACHE_MODULES[key] = _cache_module(attn, dtype, target_spec, page_size)
+    kv_mod = _CACHE_MODULES[key].clone()  # clone: the model's functions join the copy
+    for gv, func in mod.functions_items():  # the same GlobalVars: prefill calls its kernels by them
+        kv_mod[gv] = func
+    return kv_mod
+
+
+# (target, attention shape, dtype, page size) -> the cache's module before the model joins it.
+# Making it parses ~20 TVMScript kernels (TVM's and ours): ~6 s of a tiny model's ~17 s build,
+# the same for every build of that shape in one process (tuning runs, the test suite). The
+# module is never changed in place (add_kv_cache_creation takes a clone); its PrimFuncs are
+# immutable IR, shared safely between modules.
+_CACHE_MODULES: dict = {}
+
+
+def _cache_module(attn: AttentionShape, dtype: str, target_spec, page_size: int):
+    """TVM's cache module with the target's kernels in place (add_kv_cache_creation)."""
     from tvm import tirx
     from tvm.relax.frontend import nn
     from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
@@ -499,6 +519,4 @@ def add_kv_cache_creation(mod, attn: AttentionShape, dtype: str, target_spec,
         if name not in names:  # TVM renamed a kernel: fail the build, never mismatch at run time
             raise RuntimeError(f"TVM's paged KV cache has no kernel named {name}")
         kv_mod[name] = func
-    for gv, func in mod.functions_items():  # the same GlobalVars: prefill calls its kernels by them
-        kv_mod[gv] = func
     return kv_mod

@@ -146,3 +146,30 @@ def test_gpt_oss_cross_compiles_for_cuda(checkpoint, tmp_path):
     device = [f for f in glob.glob(os.path.join(out, "source", "*")) if "host" not in f]
     code = "".join(open(f, errors="replace").read() for f in device)
     assert "moe_gemm" in code and "batch_decode_paged_kv" in code
+
+
+def test_cache_module_is_made_once_and_each_build_gets_its_own_copy():
+    """The paged KV cache's module is made once per (target, attention shape, dtype, page
+    size) in a process: a second build of the same shape shares its kernels (the same IR
+    objects) but gets its own module, so one build's functions never reach another's; a
+    different page size gets kernels of its own."""
+    import tvm
+    from tvm import relax as rx
+
+    from tvm_llm.frontend.relax_import import AttentionShape, add_kv_cache_creation
+    from tvm_llm.targets import get_target
+
+    spec = get_target("llvm")
+    attn = AttentionShape(2, 4, 2, 16, 16, [0.25, 0.25])
+    first = add_kv_cache_creation(tvm.IRModule(), attn, "float32", spec, page_size=16)
+    bb = rx.BlockBuilder()
+    with bb.function("model_only", []):
+        bb.emit_func_output(rx.const(1, "int32"))
+    second = add_kv_cache_creation(bb.get(), attn, "float32", spec, page_size=16)
+    assert second["batch_decode_paged_kv_cpu"].same_as(first["batch_decode_paged_kv_cpu"])
+    assert "model_only" in {gv.name_hint for gv in second.get_global_vars()}
+    assert "model_only" not in {gv.name_hint for gv in first.get_global_vars()}
+    third = add_kv_cache_creation(tvm.IRModule(), attn, "float32", spec)
+    assert "model_only" not in {gv.name_hint for gv in third.get_global_vars()}
+    other = add_kv_cache_creation(tvm.IRModule(), attn, "float32", spec, page_size=32)
+    assert not other["batch_decode_paged_kv_cpu"].same_as(first["batch_decode_paged_kv_cpu"])

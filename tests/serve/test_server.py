@@ -241,6 +241,13 @@ def test_bad_requests_get_openai_errors_and_the_server_lives_on(server, what, me
     assert ok == 200 and r["usage"]["completion_tokens"] >= 1
 
 
+def _running_and_waiting(s, n: int) -> bool:
+    """At least one sequence running and n in all (running and waiting), by the metrics."""
+    m = _metrics(s)
+    running = m["tvm_llm_running_sequences"]
+    return running >= 1 and running + m["tvm_llm_waiting_sequences"] >= n
+
+
 def test_api_key_missing_template_and_full_queue(chat_build, tmp_path):
     """A second server: no chat template, an API key, one sequence at a time, a queue of one."""
     out = str(tmp_path / "tiny-plain")
@@ -275,9 +282,9 @@ def test_api_key_missing_template_and_full_queue(chat_build, tmp_path):
             queued = True
             for k, t in enumerate(runs):
                 t.start()
-                try:
-                    wait_for(lambda: sum(_metrics(s)[f"tvm_llm_{x}_sequences"]
-                                         for x in ("running", "waiting")) >= k + 1,
+                try:  # the first request running, not only queued (a second one arriving
+                    # while both wait is turned away), then the second waiting behind it
+                    wait_for(lambda: _running_and_waiting(s, k + 1),
                              timeout=5.0, what="the request to be queued")
                 except AssertionError:  # it finished before the poll saw it
                     queued = False

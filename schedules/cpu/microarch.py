@@ -31,10 +31,10 @@ neon               aarch64 (generic, neoverse-*, apple-*)                      r
   q4_1 0.86x the step time, q4_0 0.88-0.97x; q8_0 1.02x, so 8-bit keeps the first line). k-quants
   had taken it too (q4_k 0.85-0.90x) until they moved to one group a statement (stop 51); since
   then the first line into L2 steps llama-1b q4 in 0.871 / 0.951x the time of every line into L1
-  (stop 52, int8_decode_prefetch_kquant; see int8_act_matmul.py). Float32 decode keeps one panel at a time: 4 or 2 panels
-  side by side (gemm_decode_streams) stepped a llama-110m build in 1.02-1.06x the time, and
-  prefetching the panel 2 KiB ahead into L1 1.03x, 8 KiB 0.98-1.00x (scripts/ab_decode.py, 2
-  threads, 20 rounds, both load orders; stop 43).
+  (stop 52, int8_decode_prefetch_kquant; see int8_act_matmul.py). Float32 decode keeps one
+  panel at a time: 4 or 2 panels side by side (gemm_decode_streams) stepped a llama-110m build
+  in 1.02-1.06x the time, and prefetching the panel 2 KiB ahead into L1 1.03x, 8 KiB
+  0.98-1.00x (scripts/ab_decode.py, 2 threads, 20 rounds, both load orders; stop 43).
 * zen5, measured on an AMD EPYC Turin (znver5, a 2-core VM; two 512-bit FMA pipes), same script
   and shapes, 1 thread, CPU time: packed GEMM 7x2 256-268 GF/s (2.2x numpy's sgemm of the run,
   ~2 FMAs per cycle), 4x3 and 3x4 alike except on the long-K down projection (K=5632: 7x2 256,

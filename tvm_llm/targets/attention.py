@@ -60,9 +60,9 @@ def cpu_cache_kernels(kv_mod, attn, dtype: str, page_size: int, threads: int = 1
         "batch_prefill_paged_kv_cpu": prefill_paged_attention_func(
             *shape, page_size=page_size, table=table, amx=amx),
         # the sliding-window layout's kernels run only in a model whose layers all slide (the
-        # runtime enables the layout from the manifest's window): elsewhere the compact
-        # per-token forms stand in, never called (the vector kernels cost ~2 s of codegen for
-        # decode, ~1.3 s for the paged prefill on a tiny model)
+        # runtime enables the layout from the manifest's window): elsewhere their compact
+        # forms stand in, never called (the vector kernels cost ~2 s of codegen for decode,
+        # ~0.8 s of a tiny model's build for the paged prefill)
         "batch_prefill_paged_kv_cpu_sliding_window": prefill_paged_attention_func(
             *shape, page_size=page_size, table=table, sliding=True, amx=amx,
             vector=attn.sliding_window > 0),

@@ -61,9 +61,13 @@ def build_model(ckpt: str, shape: str, rebuild: bool, **build_kwargs) -> str:
     out = os.path.join(CACHE, f"{shape}-{tag}-out")
     manifest = os.path.join(out, "manifest.json")
     stale = False
-    if os.path.isfile(manifest) and build_kwargs.get("quantization"):
-        with open(manifest) as f:  # a build from before the weight formats: rebuild it
-            stale = "format_counts" not in (json.load(f).get("quantization") or {})
+    if os.path.isfile(manifest):
+        with open(manifest) as f:
+            m = json.load(f)
+        # a build from before the weight formats, or with another KV cache dtype: rebuild it
+        stale = bool(build_kwargs.get("quantization")) and "format_counts" not in (m.get("quantization") or {})
+        kv = (m.get("kv_cache") or {}).get("dtype") or m.get("dtype", "float32")
+        stale = stale or kv != build_kwargs.get("kv_dtype", build_kwargs.get("dtype", "float32"))
     if rebuild or stale or not os.path.isfile(manifest):
         t0 = time.perf_counter()
         tvm_llm.build(ckpt, out, force=True, log=lambda *a: None, **build_kwargs)
@@ -268,7 +272,9 @@ def tvm_build_options(q: str) -> dict:
 # q8_0) under 4.6 bits per weight; its AWQ scaling only changes weight values, not the formats
 # or the kernels, so it is left out here (it would calibrate random weights, minutes on
 # llama-1b). q8 is q8_0 everywhere with or without AWQ.
-CLI_RECIPES = {"q4": {"bits_per_weight": 4.6, "calibrate": "none"}}
+# Both take the CLI's float16 KV cache (tvm_llm.config.RECOMMENDED_KV_DTYPE).
+CLI_RECIPES = {"q4": {"bits_per_weight": 4.6, "calibrate": "none", "kv_dtype": "float16"},
+               "q8": {"kv_dtype": "float16"}}
 
 
 def cli_budget(kw: dict) -> float:
@@ -293,6 +299,15 @@ def stored_decode_bytes(out: str, shape: str) -> float:
     s = SHAPES[shape]
     return float(stored_bytes(manifest["params"], s["vocab_size"], s["hidden_size"],
                               (manifest.get("quantization") or {}).get("quantized") or {})[0])
+
+
+def kv_value_bytes(out: str) -> int:
+    """Bytes per cached K/V value of a build: its manifest's KV cache dtype (builds from before
+    the manifest recorded it: the build dtype)."""
+    with open(os.path.join(out, "manifest.json")) as f:
+        manifest = json.load(f)
+    dtype = (manifest.get("kv_cache") or {}).get("dtype") or manifest.get("dtype", "float32")
+    return 4 if dtype == "float32" else 2
 
 
 def model_costs(shape: str, context: int, bytes_per_weight: float = 4.0,
@@ -406,11 +421,11 @@ def main(argv=None):
             tag = q + (f"-{args.arch}" if args.arch else "")
             if args.arch:
                 kw["arch"] = args.arch
-            if entry in CLI_RECIPES and "bits_per_weight" not in extra:
+            if "bits_per_weight" in CLI_RECIPES.get(entry, {}) and "bits_per_weight" not in extra:
                 kw["bits_per_weight"] = cli_budget(kw)  # the CLI's, for this target's kernel layout
             out, name = build_model(ckpt, args.shape, args.rebuild, tag=file_tag(tag), **kw), f"tvm_llm {tag}"
         runners.append(TvmRunner(out, args.threads, name=name))
-        costs = model_costs(args.shape, context, 0.0, 2 if q in FLOAT_BUILDS else 4)
+        costs = model_costs(args.shape, context, 0.0, kv_value_bytes(out))
         costs["decode_bytes"] += stored_decode_bytes(out, args.shape)  # KV + stored weights
         per_system[name] = costs
     if args.llamacpp:

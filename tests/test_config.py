@@ -20,12 +20,15 @@ def test_create_resolves_target_dtype_scheme_and_budget():
     assert BuildConfig.create(quantization="q4_0", target="cuda", arch="sm_90").scheme.activations == "float"
     assert c.budget.bytes == 4 * 10**9 and c.page_size == 32
     assert BuildConfig.create(target="cuda", arch="sm_90").dtype == "float16"  # the GPU default
+    assert c.kv_dtype == "float32"  # the cache takes the build dtype unless asked
+    assert BuildConfig.create(kv_dtype="float16").kv_dtype == "float16"
     with pytest.raises(Exception):
         c.dtype = "float16"  # frozen
 
 
 @pytest.mark.parametrize("options, expect", [
     (dict(dtype="int4"), "unknown dtype"),
+    (dict(kv_dtype="int8"), "unknown --kv-dtype 'int8'"),
     (dict(max_batch_size=0), "max_batch_size must be a positive integer"),
     (dict(context_window=2**31), "context_window must be a positive integer below 2^31"),
     (dict(page_size=12), "--page-size 12"),
@@ -74,6 +77,20 @@ def test_build_cli_q4_means_the_calibrated_mix_and_the_api_q4_stays_plain():
     for act, budget in (("int8", 4.6), ("float", 6.1)):
         a = make_parser().parse_args(["build", "ck", "-o", "out", "--quantization", "q4", "--activations", act])
         assert BuildConfig.from_args(a).bits_per_weight == budget
+
+
+def test_build_cli_q4_and_q8_take_a_float16_kv_cache_and_exact_names_keep_the_dtype():
+    for q in ("q4", "q8"):
+        args = make_parser().parse_args(["build", "ck", "-o", "out", "--quantization", q])
+        assert BuildConfig.from_args(args).kv_dtype == "float16"
+        assert BuildConfig.recommended(quantization=q, calibrate="none").kv_dtype == "float16"
+        assert BuildConfig.create(quantization=q).kv_dtype == "float32"  # the API's plain q4 / q8
+    asked = make_parser().parse_args(["build", "ck", "-o", "out", "--quantization", "q4",
+                                      "--kv-dtype", "float32"])
+    assert BuildConfig.from_args(asked).kv_dtype == "float32"
+    assert BuildConfig.recommended(quantization="q4_k").kv_dtype == "float32"
+    assert BuildConfig.recommended().kv_dtype == "float32"  # float builds match transformers
+    assert BuildConfig.recommended(quantization="q4", dtype="bfloat16").kv_dtype == "bfloat16"
 
 
 def test_with_options_checks_again_and_takes_the_new_targets_dtype():

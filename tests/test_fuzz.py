@@ -211,6 +211,7 @@ OUTPUT_CASES = {
     "page-size-7": (_manifest(_set("kv_cache", "page_size", 7)), "page_size"),
     "page-size-string": (_manifest(_set("kv_cache", "page_size", "16")), "page_size"),
     "kv-cache-missing": (_manifest(_set("kv_cache", _DELETE)), "kv_cache"),
+    "kv-dtype-int8": (_manifest(_set("kv_cache", "dtype", "int8")), "kv_cache.dtype"),
     "batch-0": (_manifest(_set("kv_cache", "max_batch_size", 0)), "max_batch_size"),
     "total-negative": (_manifest(_set("kv_cache", "max_total_seq_len", -16)), "max_total_seq_len"),
     "vocab-negative": (_manifest(_set("model", "vocab_size", -1)), "vocab_size"),

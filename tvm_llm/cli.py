@@ -240,6 +240,9 @@ def _add_config_args(p, memory: bool) -> None:
     p.add_argument("--arch", default=None,
                    help="llvm: host (default) or aarch64; cuda: sm_80, sm_90; rocm: gfx90a, gfx942")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), float16 (GPU default), bfloat16")
+    p.add_argument("--kv-dtype", default=None,
+                   help="the KV cache's dtype: float32, float16 or bfloat16 (default: --dtype); "
+                        "float16 halves the cache's bytes, which attention reads every step")
     p.add_argument("--context-window", type=_positive_int, default=None,
                    help="longest sequence in tokens (default: min(max_position_embeddings, 2048)"
                         + (", bounded by --max-memory)" if memory else ")"))

@@ -39,7 +39,8 @@ def format_manifest(m: dict) -> str:
         f"{target['tvm_target']}",
         *_cpu_lines(target),
         f"dtype      {m['dtype']}; weights {len(m['params'])} tensors, {_mib(weight_bytes)}",
-        f"kv cache   page {kv['page_size']} tokens, {kv['max_total_seq_len']} tokens total, "
+        f"kv cache   {kv.get('dtype', m['dtype'])}, page {kv['page_size']} tokens, "
+        f"{kv['max_total_seq_len']} tokens total, "
         f"batch <= {kv['max_batch_size']}, prefill chunk {kv['prefill_chunk_size']}, "
         f"context {kv['context_window']}",
         f"built by   tvm_llm {m['tvm_llm_version']}",

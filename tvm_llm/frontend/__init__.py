@@ -15,10 +15,12 @@ from .relax_import import AttentionShape, ImportedModel  # noqa: F401
 
 
 def import_model(model, *, dtype: str, context_window: int, max_batch_size: int,
-                 prefill_chunk_size: int, target, page_size: int = 16):
+                 prefill_chunk_size: int, target, page_size: int = 16, kv_dtype: str | None = None):
     """Trace `model` (a transformers causal LM in eval mode) into an ImportedModel whose
     module has prefill, decode and create_paged_kv_cache (its kernels built for `page_size`).
-    `target`: the TargetSpec (tvm_llm.targets), which picks the cache's attention kernels."""
+    `target`: the TargetSpec (tvm_llm.targets), which picks the cache's attention kernels.
+    `kv_dtype`: the KV cache's dtype (default `dtype`); q, k, v are cast to it before the
+    cache's attention, and its output back to `dtype`."""
     import torch
 
     from .attention import use_paged_attention
@@ -38,7 +40,7 @@ def import_model(model, *, dtype: str, context_window: int, max_batch_size: int,
                                 "deprecated", category=FutureWarning)
         ep = export_logits_model(model, max_seq=max(context_window, prefill_chunk_size))
         vocab = model.config.get_text_config().vocab_size
-        imported = to_relax(ep, vocab, dtype)
+        imported = to_relax(ep, vocab, dtype, cache_dtype=kv_dtype)
     mod = specialize(imported.mod, max_batch=max_batch_size, max_tokens=prefill_chunk_size)
-    imported.mod = add_kv_cache_creation(mod, imported.attention, dtype, target, page_size)
+    imported.mod = add_kv_cache_creation(mod, imported.attention, kv_dtype or dtype, target, page_size)
     return imported

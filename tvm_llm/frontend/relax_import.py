@@ -324,8 +324,10 @@ def _from_exported_program(ep, run_decompositions: bool, custom_convert_map: dic
                                             custom_convert_map=custom_convert_map)
 
 
-def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
-    """Convert the exported program into the forward Relax function (one symbolic batch/seq)."""
+def to_relax(ep, vocab_size: int, dtype: str | None = None,
+             cache_dtype: str | None = None) -> ImportedModel:
+    """Convert the exported program into the forward Relax function (one symbolic batch/seq).
+    `cache_dtype`: the KV cache's dtype (default `dtype`)."""
     import tvm
     from tvm import relax as rx
 
@@ -343,11 +345,11 @@ def to_relax(ep, vocab_size: int, dtype: str | None = None) -> ImportedModel:
                                      **_to_device_converter(),
                                      **_half_precision_converters(),
                                      **_topk_converter(),
-                                     **_attention_converter(layers, cache_var, dtype),
-                                     **mla_converters(layers, cache_var, dtype),
+                                     **_attention_converter(layers, cache_var, cache_dtype or dtype),
+                                     **mla_converters(layers, cache_var, cache_dtype or dtype),
                                      **moe_converter(),
                                      **_attention_variant_converter(layers, variants, cache_var,
-                                                                    sources, dtype)})
+                                                                    sources, cache_dtype or dtype)})
     func = mod["main"]
     n_in = int(func.attrs["num_input"])
     names, weights, relax_names = [], [], {}

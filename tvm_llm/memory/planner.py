@@ -280,7 +280,7 @@ def check_weights_fit(budget: Budget | None, weight_bytes: int, device_type: str
 
 def plan_memory(mod=None, *, weights=None, activations: ActivationPlan | None = None, vocab_size: int, num_layers: int, num_heads: int,
                 num_kv_heads: int, head_dim: int, v_head_dim: int | None = None, dtype: str,
-                device_type: str = "cpu", budget: Budget | None = None,
+                kv_dtype: str | None = None, device_type: str = "cpu", budget: Budget | None = None,
                 context_window: int | None = None, kv_cache_tokens: int | None = None,
                 max_batch_size: int = 8, prefill_chunk_size: int = 512, page_size: int = 16,
                 max_position_embeddings: int | None = None, sliding_window: int = 0,
@@ -294,7 +294,8 @@ def plan_memory(mod=None, *, weights=None, activations: ActivationPlan | None = 
     pool holds. Without one the pool holds `kv_cache_tokens` (default max(context, 4096)).
     `sliding_window`: every layer slides with this window, so a sequence holds only window
     pages (the context may then exceed the pool); `sliding_layers`: how many layers slide when
-    not all do (their pages cannot be released: noted in the plan)."""
+    not all do (their pages cannot be released: noted in the plan). `kv_dtype`: the KV
+    cache's dtype (default `dtype`)."""
     check_options(budget, kv_cache_tokens)
     by_dtype, n_tensors = weights_of(weights_from_module(mod) if weights is None else weights)
     weight_bytes = sum(by_dtype.values())
@@ -303,14 +304,15 @@ def plan_memory(mod=None, *, weights=None, activations: ActivationPlan | None = 
     out_dtype = dtype if mod is None else logits_dtype(mod, dtype)
     rows = min(max_batch_size, prefill_chunk_size)
     logits = logits_pool_bytes(vocab_size, out_dtype, rows)
-    per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, v_head_dim)
+    kv_dtype = kv_dtype or dtype
+    per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_dtype, v_head_dim)
     reserve = RUNTIME_RESERVE.get(device_type, RUNTIME_RESERVE["cpu"])
     default_ctx = default_context(None, max_position_embeddings)
     if context_window is not None:
         default_context(context_window, max_position_embeddings)  # checks it
 
     def workspace(pages):
-        return kv_workspace_bytes(device_type, num_heads, num_kv_heads, head_dim, dtype,
+        return kv_workspace_bytes(device_type, num_heads, num_kv_heads, head_dim, kv_dtype,
                                   prefill_chunk_size, max_batch_size, pages)
 
     notes = []
@@ -374,6 +376,6 @@ def plan_memory(mod=None, *, weights=None, activations: ActivationPlan | None = 
     elif sliding_layers:
         notes.append(f"{sliding_layers} of {num_layers} layers slide, but the cache's pages hold "
                      "every layer: a sequence keeps pages for its whole length")
-    return MemoryPlan(by_dtype, n_tensors, acts, logits, rows, out_dtype, vocab_size, pool, dtype,
+    return MemoryPlan(by_dtype, n_tensors, acts, logits, rows, out_dtype, vocab_size, pool, kv_dtype,
                       workspace(pool.pages), reserve, device_type, ctx, source, max_batch_size,
                       prefill_chunk_size, max_position_embeddings, budget, notes, sliding_window)

@@ -173,6 +173,8 @@ def check_manifest(manifest, path: str) -> None:
     total = sc.int_(kv, "max_total_seq_len", "kv_cache", lo=1, hi=1 << 31)
     ctx = sc.int_(kv, "context_window", "kv_cache", lo=1, hi=1 << 31)
     del batch, chunk
+    if "dtype" in kv:  # older manifests have none: the cache holds the build dtype
+        sc.str_(kv, "dtype", "kv_cache", ("float32", "float16", "bfloat16"))
     if "sliding_window" in kv:  # older manifests have none: no sliding window
         sc.int_(kv, "sliding_window", "kv_cache", lo=0, hi=1 << 31)
     if ctx > total + kv["page_size"] and not kv.get("sliding_window"):  # a window: pages bounded

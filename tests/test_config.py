@@ -91,6 +91,8 @@ def test_build_cli_q4_and_q8_take_a_float16_kv_cache_and_exact_names_keep_the_dt
     assert BuildConfig.recommended(quantization="q4_k").kv_dtype == "float32"
     assert BuildConfig.recommended().kv_dtype == "float32"  # float builds match transformers
     assert BuildConfig.recommended(quantization="q4", dtype="bfloat16").kv_dtype == "bfloat16"
+    plan = make_parser().parse_args(["plan", "ck", "--quantization", "q4"])  # plans what build makes
+    assert BuildConfig.from_args(plan).kv_dtype == "float16"
 
 
 def test_with_options_checks_again_and_takes_the_new_targets_dtype():

@@ -75,7 +75,9 @@ class BuildConfig:
         names = {f.name for f in fields(cls)} - _RESOLVED
         options = {n: getattr(args, n) for n in names if hasattr(args, n)}
         options.update(overrides)
-        return cls.recommended(**options) if hasattr(args, "calibrate") else cls.create(**options)
+        if hasattr(args, "calibrate"):
+            return cls.recommended(**options)
+        return _recommended_kv_dtype(cls.create(**options), options)  # plan, tune: as build
 
     @classmethod
     def recommended(cls, **options) -> "BuildConfig":
@@ -93,10 +95,7 @@ class BuildConfig:
                 if options.get(key) is None:
                     options[key] = value
                     defaulted.append(key)
-        config = cls.create(**options)
-        if options.get("kv_dtype") is None and options.get("quantization") in RECOMMENDED_KV_DTYPE \
-                and config.dtype == "float32":
-            config = config.with_options(kv_dtype=RECOMMENDED_KV_DTYPE[options["quantization"]])
+        config = _recommended_kv_dtype(cls.create(**options), options)
         if "bits_per_weight" in defaulted and config.scheme is not None:
             from .quantization.calibration import layout_budget
 
@@ -170,3 +169,12 @@ class BuildConfig:
 
 
 _RESOLVED = {"spec", "scheme", "budget"}
+
+
+def _recommended_kv_dtype(config: BuildConfig, options: dict) -> BuildConfig:
+    """`config` with RECOMMENDED_KV_DTYPE's cache when `options` name q8 / q4 in a float32
+    build and no kv_dtype: what the command line's build, plan and tune mean by them."""
+    q = options.get("quantization")
+    if options.get("kv_dtype") is None and q in RECOMMENDED_KV_DTYPE and config.dtype == "float32":
+        return config.with_options(kv_dtype=RECOMMENDED_KV_DTYPE[q])
+    return config

@@ -116,6 +116,13 @@ def test_float32_build_with_a_float16_kv_cache(checkpoint, hf_model, tmp_path):
     with torch.no_grad():
         ref = hf_model("llama")(torch.tensor([prompt])).logits[0].numpy()
     assert np.abs(pre - ref).max() > 10 * TOL  # the float16 rounding is really there
+    # a fork shares the parent's float16 pages and copies its last one (the cache's copy
+    # kernels take its dtype): both then decode alike
+    parent = eng.cache.add()
+    eng.prefill([(parent, prompt)])
+    child = eng.cache.fork(parent)
+    rows = [eng.decode_step([sid], [7])[0] for sid in (parent, child)]
+    assert np.abs(rows[0] - rows[1]).max() < 1e-5
 
 
 def test_import_converts_no_weight_to_tvm(checkpoint, monkeypatch):

@@ -95,9 +95,9 @@ def main() -> None:
     def t(a):
         return tvm.runtime.tensor(a, dev)
 
-    def cast(a):
-        if dt == "float32":
-            return a.astype("float32")
+    def cast(a):  # the kernels' dtype: q, pages and output alike
+        if dt in ("float32", "float16"):
+            return a.astype(dt)
         import ml_dtypes
         return a.astype(ml_dtypes.bfloat16)
 

@@ -17,11 +17,12 @@ from dataclasses import dataclass, field, fields, replace
 from .errors import UserError
 
 DTYPES = ("float32", "float16", "bfloat16")
-# the KV cache of `tvm-llm build --quantization q8|q4` in a float32 build (BuildConfig.recommended):
-# float16, as llama.cpp's default cache. Attention reads half the bytes: on llama-110m q4 (AMD
-# EPYC znver4, 2 threads) its decode call went from 0.39 to 0.23 ms a layer-step total at 128
-# cached tokens and 1.20 to 0.60 ms at 512; SmolLM2-135M perplexity moved +0.003% (fp32),
-# +0.04% (q8), +0.12% (q4) (README "KV cache dtype"). Exact format names keep the build dtype.
+# the KV cache of q8 / q4 on the command line in a float32 build (BuildConfig.recommended,
+# from_args): float16, as llama.cpp's default cache. Attention reads half the bytes: on
+# llama-110m q4 (AMD EPYC znver4, 2 threads) a decode step's 12 attention calls took 0.39 ->
+# 0.23 ms in all at 128 cached tokens, 1.20 -> 0.60 ms at 512; SmolLM2-135M perplexity moved
+# +0.003% (fp32), +0.04% (q8), +0.12% (q4) (README "KV cache dtype"). Exact format names keep
+# the build dtype.
 RECOMMENDED_KV_DTYPE = {"q8": "float16", "q4": "float16"}
 MAX_TOKENS = 2**31  # TVM's KV cache indexes tokens with int32
 

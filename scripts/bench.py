@@ -66,8 +66,7 @@ def build_model(ckpt: str, shape: str, rebuild: bool, **build_kwargs) -> str:
             m = json.load(f)
         # a build from before the weight formats, or with another KV cache dtype: rebuild it
         stale = bool(build_kwargs.get("quantization")) and "format_counts" not in (m.get("quantization") or {})
-        kv = (m.get("kv_cache") or {}).get("dtype") or m.get("dtype", "float32")
-        stale = stale or kv != build_kwargs.get("kv_dtype", build_kwargs.get("dtype", "float32"))
+        stale = stale or cache_dtype(m) != build_kwargs.get("kv_dtype", build_kwargs.get("dtype", "float32"))
     if rebuild or stale or not os.path.isfile(manifest):
         t0 = time.perf_counter()
         tvm_llm.build(ckpt, out, force=True, log=lambda *a: None, **build_kwargs)
@@ -301,13 +300,17 @@ def stored_decode_bytes(out: str, shape: str) -> float:
                               (manifest.get("quantization") or {}).get("quantized") or {})[0])
 
 
+def cache_dtype(manifest: dict) -> str:
+    """A build's KV cache dtype (builds from before the manifest recorded it: the build dtype)."""
+    return (manifest.get("kv_cache") or {}).get("dtype") or manifest.get("dtype", "float32")
+
+
 def kv_value_bytes(out: str) -> int:
-    """Bytes per cached K/V value of a build: its manifest's KV cache dtype (builds from before
-    the manifest recorded it: the build dtype)."""
+    """Bytes per cached K/V value of a build (its manifest's cache_dtype)."""
+    from tvm_llm.memory.kv_budget import dtype_bytes
+
     with open(os.path.join(out, "manifest.json")) as f:
-        manifest = json.load(f)
-    dtype = (manifest.get("kv_cache") or {}).get("dtype") or manifest.get("dtype", "float32")
-    return 4 if dtype == "float32" else 2
+        return dtype_bytes(cache_dtype(json.load(f)))
 
 
 def model_costs(shape: str, context: int, bytes_per_weight: float = 4.0,

@@ -20,8 +20,8 @@ def test_create_resolves_target_dtype_scheme_and_budget():
     assert BuildConfig.create(quantization="q4_0", target="cuda", arch="sm_90").scheme.activations == "float"
     assert c.budget.bytes == 4 * 10**9 and c.page_size == 32
     assert BuildConfig.create(target="cuda", arch="sm_90").dtype == "float16"  # the GPU default
-    assert c.kv_dtype == "float32"  # the cache takes the build dtype unless asked
-    assert BuildConfig.create(kv_dtype="float16").kv_dtype == "float16"
+    assert c.cache_dtype == "float32"  # the cache takes the build dtype unless asked
+    assert BuildConfig.create(kv_dtype="float16").cache_dtype == "float16"
     with pytest.raises(Exception):
         c.dtype = "float16"  # frozen
 
@@ -82,23 +82,27 @@ def test_build_cli_q4_means_the_calibrated_mix_and_the_api_q4_stays_plain():
 def test_build_cli_q4_and_q8_take_a_float16_kv_cache_and_exact_names_keep_the_dtype():
     for q in ("q4", "q8"):
         args = make_parser().parse_args(["build", "ck", "-o", "out", "--quantization", q])
-        assert BuildConfig.from_args(args).kv_dtype == "float16"
-        assert BuildConfig.recommended(quantization=q, calibrate="none").kv_dtype == "float16"
-        assert BuildConfig.create(quantization=q).kv_dtype == "float32"  # the API's plain q4 / q8
+        assert BuildConfig.from_args(args).cache_dtype == "float16"
+        assert BuildConfig.recommended(quantization=q, calibrate="none").cache_dtype == "float16"
+        assert BuildConfig.create(quantization=q).cache_dtype == "float32"  # the API's plain q4 / q8
     asked = make_parser().parse_args(["build", "ck", "-o", "out", "--quantization", "q4",
                                       "--kv-dtype", "float32"])
-    assert BuildConfig.from_args(asked).kv_dtype == "float32"
-    assert BuildConfig.recommended(quantization="q4_k").kv_dtype == "float32"
-    assert BuildConfig.recommended().kv_dtype == "float32"  # float builds match transformers
-    assert BuildConfig.recommended(quantization="q4", dtype="bfloat16").kv_dtype == "bfloat16"
+    assert BuildConfig.from_args(asked).cache_dtype == "float32"
+    assert BuildConfig.recommended(quantization="q4_k").cache_dtype == "float32"
+    assert BuildConfig.recommended().cache_dtype == "float32"  # float builds match transformers
+    assert BuildConfig.recommended(quantization="q4", dtype="bfloat16").cache_dtype == "bfloat16"
     plan = make_parser().parse_args(["plan", "ck", "--quantization", "q4"])  # plans what build makes
-    assert BuildConfig.from_args(plan).kv_dtype == "float16"
+    assert BuildConfig.from_args(plan).cache_dtype == "float16"
 
 
 def test_with_options_checks_again_and_takes_the_new_targets_dtype():
     c = BuildConfig.create(max_batch_size=4)
     assert c.with_options(prefill_chunk_size=64).prefill_chunk_size == 64
     assert c.with_options(target="cuda", arch="sm_90").dtype == "float16"
+    # the cache follows a new dtype or target unless it was asked for
+    assert c.with_options(target="cuda", arch="sm_90").cache_dtype == "float16"
+    assert c.with_options(dtype="bfloat16").cache_dtype == "bfloat16"
+    assert c.with_options(kv_dtype="float16").with_options(dtype="bfloat16").cache_dtype == "float16"
     with pytest.raises(UserError):
         c.with_options(page_size=0)
 

@@ -258,7 +258,7 @@ def _build(model_dir: str, output_dir: str, config: BuildConfig | None, *, force
             "dtype": dtype,
             "quantization": quant_report,
             "target": spec.describe(),
-            "kv_cache": {"dtype": config.kv_dtype,
+            "kv_cache": {"dtype": config.cache_dtype,
                          "page_size": config.page_size, "max_batch_size": config.max_batch_size,
                          "max_total_seq_len": kv_cache_tokens,
                          "prefill_chunk_size": config.prefill_chunk_size,

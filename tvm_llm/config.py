@@ -33,7 +33,7 @@ class BuildConfig:
     target: str = "llvm"
     arch: str | None = None
     dtype: str | None = None  # None: the target's default (resolved by create)
-    kv_dtype: str | None = None  # the KV cache's; None: the build dtype (resolved by create)
+    kv_dtype: str | None = None  # the KV cache's as given; None: the build dtype (cache_dtype)
     # KV cache and batching (context_window / kv_cache_tokens None: not asked for)
     context_window: int | None = None
     max_batch_size: int = 8
@@ -120,6 +120,12 @@ class BuildConfig:
         return BuildConfig.create(**given)
 
     @property
+    def cache_dtype(self) -> str:
+        """The KV cache's dtype: kv_dtype when given, else the build dtype (kept unresolved, so
+        that a new dtype or target through with_options moves the cache with it)."""
+        return self.kv_dtype or self.dtype
+
+    @property
     def calibrating(self) -> bool:
         return bool(self.calibration or self.calibrate or self.bits_per_weight is not None)
 
@@ -140,9 +146,8 @@ class BuildConfig:
         dtype = self.dtype or spec.default_dtype
         if dtype not in DTYPES:
             raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-        kv_dtype = self.kv_dtype or dtype
-        if kv_dtype not in DTYPES:
-            raise UserError(f"unknown --kv-dtype {kv_dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.kv_dtype is not None and self.kv_dtype not in DTYPES:
+            raise UserError(f"unknown --kv-dtype {self.kv_dtype!r}: choose one of {', '.join(DTYPES)}")
         for name in ("max_batch_size", "prefill_chunk_size", "page_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -166,7 +171,7 @@ class BuildConfig:
         budget = None if self.max_memory is None else kv_budget.parse_budget(
             self.max_memory, lambda: kv_budget.device_memory_bytes(spec.device_type))
         planner.check_options(budget, self.kv_cache_tokens)
-        return replace(self, dtype=dtype, kv_dtype=kv_dtype, spec=spec, scheme=scheme, budget=budget)
+        return replace(self, dtype=dtype, spec=spec, scheme=scheme, budget=budget)
 
 
 _RESOLVED = {"spec", "scheme", "budget"}

@@ -140,7 +140,7 @@ def lower(checkpoint, config: BuildConfig, until: str = "finalize", *, log=print
                                 max_batch_size=config.max_batch_size,
                                 prefill_chunk_size=config.prefill_chunk_size,
                                 target=spec, page_size=config.page_size,
-                                kv_dtype=config.kv_dtype)
+                                kv_dtype=config.cache_dtype)
     del model
     out.import_seconds = time.perf_counter() - t0
     out.mod = out.imported.mod
@@ -183,7 +183,7 @@ def plan_memory(lowered: Lowered):
     plan = planner.plan_memory(
         lowered.mod, vocab_size=lowered.imported.vocab_size, num_layers=attn.num_layers,
         num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-        v_head_dim=attn.v_head_dim, dtype=config.dtype, kv_dtype=config.kv_dtype,
+        v_head_dim=attn.v_head_dim, dtype=config.dtype, kv_dtype=config.cache_dtype,
         device_type=config.spec.device_type,
         budget=config.budget, context_window=config.context_window,
         kv_cache_tokens=config.kv_cache_tokens, max_batch_size=config.max_batch_size,

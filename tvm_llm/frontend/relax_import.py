@@ -338,6 +338,7 @@ def to_relax(ep, vocab_size: int, dtype: str | None = None,
 
     layers: dict = {}
     variants: dict = {}
+    cache_dtype = cache_dtype or dtype
     cache_var = rx.Var("paged_kv_cache", rx.ObjectType())
     sources = _weight_sources(ep)
     mod = _from_exported_program(ep, run_decompositions=_needs_decompositions(ep, dtype),
@@ -345,11 +346,11 @@ def to_relax(ep, vocab_size: int, dtype: str | None = None,
                                      **_to_device_converter(),
                                      **_half_precision_converters(),
                                      **_topk_converter(),
-                                     **_attention_converter(layers, cache_var, cache_dtype or dtype),
-                                     **mla_converters(layers, cache_var, cache_dtype or dtype),
+                                     **_attention_converter(layers, cache_var, cache_dtype),
+                                     **mla_converters(layers, cache_var, cache_dtype),
                                      **moe_converter(),
                                      **_attention_variant_converter(layers, variants, cache_var,
-                                                                    sources, cache_dtype or dtype)})
+                                                                    sources, cache_dtype)})
     func = mod["main"]
     n_in = int(func.attrs["num_input"])
     names, weights, relax_names = [], [], {}

@@ -72,6 +72,7 @@ def write_manifest(path: str, manifest: dict) -> None:
 
 PARAM_DTYPES = ("float32", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64")
 KV_PAGE_SIZES = (8, 16, 32, 64, 128)
+BUILD_DTYPES = ("float32", "float16", "bfloat16")  # a build's dtype and its KV cache's
 DEVICE_TYPES = ("cpu", "cuda", "rocm")
 
 
@@ -163,7 +164,7 @@ def check_manifest(manifest, path: str) -> None:
     model = sc.obj(m.get("model"), "model")
     for key in ("vocab_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
         sc.int_(model, key, "model", lo=1, hi=1 << 24)
-    sc.str_(m, "dtype", "manifest", ("float32", "float16", "bfloat16"))
+    sc.str_(m, "dtype", "manifest", BUILD_DTYPES)
     target = sc.obj(m.get("target"), "target")
     sc.str_(target, "device_type", "target", DEVICE_TYPES)
     kv = sc.obj(m.get("kv_cache"), "kv_cache")
@@ -174,7 +175,7 @@ def check_manifest(manifest, path: str) -> None:
     ctx = sc.int_(kv, "context_window", "kv_cache", lo=1, hi=1 << 31)
     del batch, chunk
     if "dtype" in kv:  # older manifests have none: the cache holds the build dtype
-        sc.str_(kv, "dtype", "kv_cache", ("float32", "float16", "bfloat16"))
+        sc.str_(kv, "dtype", "kv_cache", BUILD_DTYPES)
     if "sliding_window" in kv:  # older manifests have none: no sliding window
         sc.int_(kv, "sliding_window", "kv_cache", lo=0, hi=1 << 31)
     if ctx > total + kv["page_size"] and not kv.get("sliding_window"):  # a window: pages bounded

@@ -34,12 +34,15 @@ reference's stored arrays), per 16 output rows (a tile) and group g of 32 inputs
            scheme.FIELDS puts them: whole codes from each chunk's bit 0 (2 a chunk for 3-bit
            codes, 1 for 5 and 6-bit), the 2 tiles left over split over the chunks' spare top
            bits. Unpacking a tile is a shift and a mask per field, ORed (weight_tiles); q3_k /
-           q5_k / q6_k carry q4_k's lo, hi, d, dmin
+           q5_k / q6_k carry q4_k's sl, mh, d, dmin
     q8_0, q4_0: d[N/16, K/32, 16] float16; q4_1: d, m[N/16, K/32, 16] float16;
-    q4_k: lo[N/16, K/32, 16] uint8 = sc & 15 | (mn & 15) << 4 per group, hi[N/16, ceil(K/64), 16]
-          uint8 = the top 2 + 2 bits (sc >> 4 | (mn >> 4) << 2) of group 2p in bits 0-3 and of
-          group 2p + 1 in bits 4-7 (6-bit sc and mn at 12 bits per group: 4.5 bits per weight
-          with S = 8; scheme.pack_kquant_codes), d, dmin[N/16, K/S/32, 16] float16
+    q4_k: the 6-bit sc and mn at 12 bits per group, in pairs of groups (2j, 2j + 1) of a
+          super-block of S groups (an odd S pads its last pair with a zero group;
+          scheme.pack_kquant_codes): sl[N/16, NP, 16] uint8 = sc[2j] & 15 | (sc[2j + 1] & 15) << 4,
+          mh[N/16, NP, 32] uint8, row i's bytes 2i, 2i + 1 = mn[g] | (sc[g] >> 4) << 6 of the
+          pair's two groups (zero-extended to int16 lanes they are the pair's two minimums, an
+          int16 pair per row for vpdpwssd, once masked), NP = K/32/S * ceil(S/2) (4.5 bits per
+          weight with S = 8); d, dmin[N/16, K/S/32, 16] float16
 
 Per tile and group, 8 vpdpbusd (16 rows x 4 inputs each, unsigned weight x signed activation)
 give the int32 dot products of the 16 rows with row r of x, one dependency chain per row of x.
@@ -50,6 +53,19 @@ The group adds, in float,
 with a, b per weight row: q4_1 a = d, b = m; k-quants a = d * sc, b = -dmin * mn (computed once per
 tile and group, reused for every row of x), xs * xsum kept per row and block when x is
 quantized. So a row and group cost 8 vpdpbusd and 3 (sym) or 4 vector float ops.
+
+k-quant decode differs (kquant_sum): a group's int32 dot product times its 6-bit scale is one
+int32 multiply (vpmulld), converted and scaled by xs once, and the minimum term is integer:
+the row's xs * xsum per group as 30-bit integers per super-block in two int16 halves
+(minimum_scales), two vpdpwssd per pair of groups against the pair's two minimums (mh's
+int16 lanes, masked); d and dmin apply per statement. A q4_k group took ~45 vector
+instructions with 8-bit activations (~21 of them codes and float terms), now ~41; hot weights
+on one znver4 core (scripts/bench_int8_kernel.py --formats q4_k --rows 1 --act-bits 8
+--shape llama-1b --threads 1, old and new runs alternated) 1.06-1.12x the GB/s (gate_up
+45.2-47.1 -> 49.9-50.7, down 46.0-46.2 -> 49.8). With one int16 per minimum (an error of
+2^-16 of the super-block's largest xs * xsum) SmolLM2-135M's decode logits at the second
+token were 11 off its prefill's (the minimum term cancels against the scale term, and a
+massive activation makes both large): hence 30 bits, float32's precision.
 
 Decode (one row of x) adds one group per statement (group_sum, U groups unrolled per block,
 U = a q4_k super-block, else the largest divisor of K/32 up to 8): each group is one
@@ -176,6 +192,13 @@ CPU, `scripts/ab_decode.py` against every-line-l1, 2 threads, 10-16 rounds, both
 llama-1b q4 (the CLI's mix, int8 activations) 0.871 / 0.951x the step time, llama-110m q4
 0.987 / 0.979x; q4_k with 16-bit activations llama-1b 0.900 / 1.005x, llama-110m 1.040 /
 1.033x; q6_k llama-110m 1.009 / 0.992x. Every line into L2 instead: llama-1b q4 0.982x.
+Stop 55 (same CPU) measured it again with the integer minimum term above, which is cheaper
+per group the more groups a statement holds (one vpdpwssd a pair, d and dmin once): hot, one
+thread, llama-1b, 2 / 4 / 8 groups a statement reached gate_up 52.5 / 47-50 / 57.4 GB/s (one
+group ~50); cold (--cold --rotate-mb 1200, 2 threads, --against) 2-8 groups fell to 0.48-0.70
+of the same-bytes stream where one group a statement held 0.94-0.99, prefetch after the
+statement or before alike. So one group a statement stays on znver4: the pair's minimums are
+added by the statement of its first group.
 
 Without VNNI (dot "avx512bw": AVX-512 CPUs before Cascade Lake; dot "avx2": Zen 2/3, Haswell to
 the client cores): the same layout, quantization and float terms; each group's dot products
@@ -290,6 +313,14 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     kind = fmt.kind
     S = super_groups(K) if kind == "kquant" else 1
     NS = NG // S
+    P = (S + 1) // 2  # k-quants: group pairs per super-block (scheme.kquant_pairs)
+    NP = NS * P
+    # k-quant decode's minimum term as int16 dot products (vpdpwssd, below); without VNNI in float
+    int_minimum = kind == "kquant" and dot == "vnni"
+    # k-quants multiply a group's int32 dot product by its 6-bit scale in int32 where that cannot
+    # overflow: |dot| <= 32 * code max * QMAX, times 63 (6-bit codes at 16-bit activations would
+    # not fit: 32 * 63 * 32512 * 63 > 2^31)
+    int_scale = 32 * ((1 << fmt.bits) - 1) * (127 * 256 if act_bits == 16 else 127) * 63 < 2**31
     # decode unrolls U groups per block: a q4_k super-block, else the largest divisor <= 8
     U = S if kind == "kquant" else next(u for u in range(8, 0, -1) if NG % u == 0)
     off = 8.0 if (kind == "sym" and four) else (128.0 if kind == "sym" else 0.0)
@@ -381,21 +412,43 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
         if split8:
             store8(tiles, ts, 8)
 
-    def kquant_code(p0, p1, nt, g, which):
-        """q4_k's 6-bit sc (which = 0) or mn (1) of the tile's 16 rows for group g, as
-        float32x16, from the 12-bit packing above: widened to int32 lanes, then 3-4 shifts and
-        masks (the shared hi byte's load is common to groups 2p and 2p + 1)."""
-        def i32(v):
-            return T.Broadcast(T.int32(v), TILE_N)
+    def i32(v):
+        return T.Broadcast(T.int32(v) if isinstance(v, int) else T.Cast("int32", v), TILE_N)
 
-        lo = T.Cast("int32x16", p0[nt, g, T.Ramp(0, 1, TILE_N)])
-        top = T.shift_right(T.Cast("int32x16", p1[nt, g // 2, T.Ramp(0, 1, TILE_N)]),
-                            T.Broadcast(T.Cast("int32", (g % 2) * 4), TILE_N))
-        if which == 0:
-            code = T.bitwise_or(T.bitwise_and(lo, i32(15)), T.shift_left(T.bitwise_and(top, i32(3)), i32(4)))
+    def kquant_pair(p0, p1, nt, g):
+        """The codes of group g's pair for the tile's 16 rows as int32x16 lanes: sl's byte and
+        mh's two bytes (as int16 halves: the pair's minimums for vpdpwssd once masked), and
+        which of the pair g is. g: an expression (the batched path) or, in decode, (u, j, odd):
+        super-block u's group j and which of its pair it is as a Python int, so that the shifts
+        are constants."""
+        if isinstance(g, tuple):
+            u, j, odd = g
+            pair = u * P + j // 2
+            sl = T.Cast("int32x16", p0[nt, pair, T.Ramp(0, 1, TILE_N)])
+            mh = T.reinterpret("int32x16", T.Cast("int16x32", p1[nt, pair, T.Ramp(0, 1, 2 * TILE_N)]))
+            return sl, mh, odd
+        pair = (g // S) * P + (g % S) // 2
+        sl = T.Cast("int32x16", p0[nt, pair, T.Ramp(0, 1, TILE_N)])
+        mh = T.reinterpret("int32x16", T.Cast("int16x32", p1[nt, pair, T.Ramp(0, 1, 2 * TILE_N)]))
+        return sl, mh, (g % S) % 2
+
+    def kquant_code(p0, p1, nt, g, which, as_int=False):
+        """A k-quant's 6-bit sc (which = 0) or mn (1) of the tile's 16 rows for group g, as
+        float32x16 (int32x16 with as_int), from pack_kquant_codes' pairs: sc is sl's nibble
+        ORed with mh's top 2 bits moved to bits 4-5 (2-3 instructions), mn mh's low 6 bits."""
+        sl, mh, odd = kquant_pair(p0, p1, nt, g)
+        if isinstance(odd, int):  # decode: shifts by constants; the odd group needs one mask less
+            if which == 0:
+                top = T.bitwise_and(T.shift_right(mh, i32(18 if odd else 2)), i32(0x30))
+                code = T.bitwise_or(top, T.shift_right(sl, i32(4)) if odd else T.bitwise_and(sl, i32(15)))
+            else:
+                code = T.bitwise_and(T.shift_right(mh, i32(16)) if odd else mh, i32(63))
+        elif which == 0:
+            code = T.bitwise_or(T.bitwise_and(T.shift_right(mh, i32(2 + 16 * odd)), i32(0x30)),
+                                T.bitwise_and(T.shift_right(sl, i32(4 * odd)), i32(15)))
         else:
-            code = T.bitwise_or(T.shift_right(lo, i32(4)), T.shift_left(T.bitwise_and(top, i32(12)), i32(2)))
-        return T.Cast("float32x16", code)
+            code = T.bitwise_and(T.shift_right(mh, i32(16 * odd)), i32(63))
+        return code if as_int else T.Cast("float32x16", code)
 
     @T.macro
     def coefficients(ab, p0, p1, p2, p3, nt, g):
@@ -478,11 +531,10 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
         float terms stay in registers (local buffers in the build's pipeline became memory,
         and every group paid stores and reloads on its dependency chains). Weight loads are
         pure expressions: a 4-bit chunk's two nibble tiles share one load (LLVM merges the
-        identical loads). q4_k (U = S, so u is the super-block):
-            d * (acc_g * (sc_g * xs_g))  -  dmin * (mn_g * (xs * xsum)_g)."""
+        identical loads). k-quants (U = S, so u is the super-block): kquant_sum of group j."""
         g = u * U + j
         if kind == "kquant":
-            return kquant_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u, [g])
+            return kquant_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u, [(j, j % 2)])
         tiles = weight_tiles(wp, nt, g)
         init = T.Broadcast(xo[0, g], TILE_N) if kind == "sym" else T.Broadcast(T.int32(0), TILE_N)
         acc = T.Cast("float32x16", dot_chain(init, tiles, xq, 0, g))
@@ -495,28 +547,82 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     # together before it, at most decode_burst_lines lines (one group at least)
     V = next((v for v in range(U, 0, -1) if U % v == 0 and v * C <= decode_burst_lines), 1)
 
-    def kquant_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u, groups):
-        """Decode, k-quants: the tile's 16 sums over `groups` of super-block u as one
-        expression, with d and dmin applied once to the groups' sums,
-            d * sum_g acc_g * (sc_g * xs_g)  -  dmin * sum_g mn_g * (xs * xsum)_g.
-        Over block_sum's V groups: 3 float ops a group (a multiply and two multiply-adds)
-        where a statement per group (group_sum, one group) takes 6 and the float16 loads and
-        converts of d and dmin (LLVM repeated them in every group: the store to y between the
-        statements may alias them for it)."""
+    def kquant_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u, groups, xm=None):
+        """Decode, k-quants: the tile's 16 sums over `groups` ((j, odd): group u * S + j, odd
+        which of its pair, a Python int) of super-block u as one expression, with d and dmin
+        applied once to the groups' sums,
+            d * sum_g (acc_g * sc_g) * xs_g  -  dmin * sum_g mn_g * (xs * xsum)_g.
+        acc_g * sc_g is an int32 product (one vpmulld where a float scale took a convert and a
+        multiply). With VNNI the minimum term is integer too: xm = (xoq, xso), the row's xs *
+        xsum per super-block as a 30-bit integer in two int16 halves (minimum_scales), and each
+        pair's two minimums, int16 halves of mh, take two vpdpwssd (one per half) against the
+        pair's two values; so a pair of groups costs ~12 vector instructions beyond its dot
+        products (their codes, products and sums) where the float form took ~20."""
         main = minimum = None
-        for g in groups:
-            acc = T.Cast("float32x16", dot_chain(T.Broadcast(T.int32(0), TILE_N), weight_tiles(wp, nt, g),
-                                                 xq, 0, g))
-            a = acc * (kquant_code(p0, p1, nt, g, 0) * T.Broadcast(xs[0, g], TILE_N))
-            b = kquant_code(p0, p1, nt, g, 1) * T.Broadcast(xo[0, g], TILE_N)
+        for j, odd in groups:
+            g, at = u * S + j, (u, j, odd)
+            acc = dot_chain(T.Broadcast(T.int32(0), TILE_N), weight_tiles(wp, nt, g), xq, 0, g)
+            if int_scale:
+                a = T.Cast("float32x16", acc * kquant_code(p0, p1, nt, at, 0, True)) * T.Broadcast(xs[0, g], TILE_N)
+            else:
+                a = T.Cast("float32x16", acc) * (kquant_code(p0, p1, nt, at, 0) * T.Broadcast(xs[0, g], TILE_N))
             main = a if main is None else main + a
-            minimum = b if minimum is None else minimum + b
-        return T.Cast("float32x16", p2[nt, u, T.Ramp(0, 1, TILE_N)]) * main \
-            - T.Cast("float32x16", p3[nt, u, T.Ramp(0, 1, TILE_N)]) * minimum
+            if xm is None:
+                b = kquant_code(p0, p1, nt, at, 1) * T.Broadcast(xo[0, g], TILE_N)
+                minimum = b if minimum is None else minimum + b
+        # with VNNI a pair's minimums are added by the sum that holds its first group
+        firsts = [j for j, odd in groups if odd == 0] if xm is not None else []
+        if firsts:
+            xoq, xso = xm
+            halves = []
+            for half in range(2):  # the high and low 15 bits of each xs * xsum
+                acc = T.Broadcast(T.int32(0), TILE_N)
+                for j in firsts:
+                    _, mh, _ = kquant_pair(p0, p1, nt, (u, j, 0))
+                    pair = u * (2 * P) + j  # the pair's two values, as one int32 to broadcast
+                    acc = T.call_llvm_pure_intrin(
+                        "int32x16", "llvm.x86.avx512.vpdpwssd.512", acc,
+                        T.reinterpret("int16x32", T.bitwise_and(mh, i32(0x3F003F))),
+                        T.reinterpret("int16x32", T.Broadcast(T.reinterpret("int32", xoq[half][0, T.Ramp(pair, 1, 2)]),
+                                                              TILE_N)))
+                halves.append(T.Cast("float32x16", acc))
+            minimum = (halves[0] * T.Broadcast(T.float32(32768), TILE_N) + halves[1]) * T.Broadcast(xso[0, u], TILE_N)
+        main = T.Cast("float32x16", p2[nt, u, T.Ramp(0, 1, TILE_N)]) * main
+        if minimum is None:
+            return main
+        return main - T.Cast("float32x16", p3[nt, u, T.Ramp(0, 1, TILE_N)]) * minimum
 
-    def block_sum(wp, p0, p1, xq, xs, xo, nt, u, h, p2, p3):
-        """kquant_sum over groups u * U + h * V ... + V - 1 of super-block u."""
-        return kquant_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u, [u * U + h * V + j for j in range(V)])
+    @T.macro
+    def minimum_scales(xo, xoq, xso):
+        """Decode with VNNI, k-quants: row 0's xo (xs * xsum per group) as integers per
+        super-block, xo ~= v * xso with xso = max|xo| / (32767 * 32768) (|v| < 2^30), held as
+        int16 halves v = hi * 32768 + lo (xoq[0] = hi, xoq[1] = lo in [0, 32767]) laid out in
+        the weights' pairs (an odd S's padding group 0), for kquant_sum's vpdpwssd. 30 bits
+        keep float32's precision: with one int16 per value the error (2^-16 of the super-block's
+        largest xo) broke real models where a massive activation meets the minimum term's
+        cancellation against the scale term (SmolLM2-135M: decode logits 11 off prefill's at
+        the second token, 1.8 with float)."""
+        for s in range(NS):
+            amax = T.alloc_buffer((1,), "float32", scope="local")
+            amax[0] = T.float32(0)
+            for j in range(S):
+                amax[0] = T.max(amax[0], T.abs(xo[0, s * S + j]))
+            xso[0, s] = amax[0] / T.float32(32767 * 32768)
+            for j in range(2 * P):
+                if j < S:
+                    v = T.meta_var(T.Cast("int32", T.nearbyint(xo[0, s * S + j] * T.Select(
+                        amax[0] > T.float32(0), T.float32(32767 * 32768) / amax[0], T.float32(0)))))
+                    xoq[0][0, s * (2 * P) + j] = T.Cast("int16", T.shift_right(v, T.int32(15)))
+                    xoq[1][0, s * (2 * P) + j] = T.Cast("int16", T.bitwise_and(v, T.int32(32767)))
+                else:
+                    xoq[0][0, s * (2 * P) + j] = T.int16(0)
+                    xoq[1][0, s * (2 * P) + j] = T.int16(0)
+
+    def block_sum(wp, p0, p1, xq, xs, xo, nt, u, h, p2, p3, xm, first_odd):
+        """kquant_sum over groups u * U + h * V ... + V - 1 of super-block u (h a loop
+        variable; first_odd: whether group h * V is the second of its pair)."""
+        return kquant_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u,
+                          [(h * V + j, (first_odd + j) % 2) for j in range(V)], xm)
 
     @T.macro
     def decode_prefetch_block(wp, nt, u, h):
@@ -603,13 +709,25 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
                 quantize_row(x, xq, xs, xo, r, B)
         # 2. tiles of 16 rows in parallel; each group's tiles unpacked once for all rows of x
         if A * B == 1 and out_dtype == "float32" and kind == "kquant":
+            xoq = (T.alloc_buffer((1, 2 * NP), "int16"), T.alloc_buffer((1, 2 * NP), "int16"))
+            xso = T.alloc_buffer((1, NS), "float32")
+            if int_minimum:
+                minimum_scales(xo, xoq, xso)
             for nt in T.parallel(NT):
                 y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
                 for u in range(NG // U):
                     for h in T.unroll(U // V):
                         decode_prefetch_block(wp, nt, u, h)
-                        y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] \
-                            + block_sum(wp, p0, p1, xq, xs, xo, nt, u, h, p2, p3)
+                        # an odd V alternates the pair position of a statement's first group:
+                        # one branch per parity (a constant once the loop is unrolled)
+                        if V % 2 == 0 or h % 2 == 0:
+                            y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] \
+                                + block_sum(wp, p0, p1, xq, xs, xo, nt, u, h, p2, p3,
+                                            (xoq, xso) if int_minimum else None, 0)
+                        else:
+                            y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] \
+                                + block_sum(wp, p0, p1, xq, xs, xo, nt, u, h, p2, p3,
+                                            (xoq, xso) if int_minimum else None, 1)
         elif A * B == 1 and out_dtype == "float32":
             for nt in T.parallel(NT):
                 y[0, 0, T.Ramp(nt * TILE_N, 1, TILE_N)] = T.Broadcast(T.float32(0), TILE_N)
@@ -669,10 +787,10 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     else:
         @T.prim_func(private=True, check_well_formed=False)
         def func(var_x: T.handle, wp: T.Buffer((NT, NG, C, 64), "uint8"),
-                 lo: T.Buffer((NT, NG, TILE_N), "uint8"), hi: T.Buffer((NT, (NG + 1) // 2, TILE_N), "uint8"),
+                 sl: T.Buffer((NT, NP, TILE_N), "uint8"), mh: T.Buffer((NT, NP, 2 * TILE_N), "uint8"),
                  d: T.Buffer((NT, NS, TILE_N), f16), dmin: T.Buffer((NT, NS, TILE_N), f16),
                  var_y: T.handle):
-            entry(var_x, var_y, wp, lo, hi, d, dmin)
+            entry(var_x, var_y, wp, sl, mh, d, dmin)
     return func
 
 

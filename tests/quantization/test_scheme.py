@@ -12,9 +12,9 @@ from schedules.cpu import cpu_schedule_pass
 from tvm_llm.errors import UserError
 from tvm_llm.passes.quantize_linear import emit_quantized_matmul
 from tvm_llm.quantization import kernels
-from tvm_llm.quantization.formats import FORMATS, fake_quantize_activation
-from tvm_llm.quantization.scheme import (FIELDS, pack_fields, pack_vnni, packed_shapes, parse_scheme, stored_bits,
-                                         stored_np, unpack_fields, unpack_kquant_codes)
+from tvm_llm.quantization.formats import FORMATS, fake_quantize_activation, super_groups
+from tvm_llm.quantization.scheme import (FIELDS, kquant_pairs, pack_fields, pack_vnni, packed_shapes, parse_scheme,
+                                         stored_bits, stored_np, unpack_fields, unpack_kquant_codes)
 from tvm_llm.targets import get_target
 
 
@@ -94,6 +94,32 @@ def test_scheduled_quantized_matmul_matches_reference(fmt, layout, bits):
         if bits == 16:  # 16-bit activations: float activations' result within 2e-4
             yf = x.astype(np.float64) @ wd.T.astype(np.float64)
             assert np.abs(got - yf / (1 + np.exp(-yf))).max() < 2e-4 * np.abs(yf).max(), (mode, rows)
+
+
+def test_kquant_decode_keeps_float_precision_where_a_massive_activation_cancels():
+    """A k-quant row is d * sc * q - dmin * mn: where a group's weights sit far from zero its
+    minimum term and its scale term are both large and cancel, and a massive activation (real
+    models have them) makes them larger still. Decode computes the minimum term in integers
+    (vpdpwssd over each super-block's xs * xsum): with one int16 per value (2^-16 of the
+    super-block's largest) this output was 0.4% of its largest value off; the 30 bits kept hold float32's
+    precision."""
+    if not _has_vnni():
+        pytest.skip("the int8-activation kernel needs AVX-512 VNNI on the host")
+    K, N = 512, 32
+    rng = np.random.default_rng(7)
+    w = (-0.5 + 0.02 * rng.standard_normal((N, K))).astype("float32")
+    w[:, 7] = 0.0  # the massive activation's weight: near zero, in a group of -0.5s
+    f = FORMATS["q4_k"]
+    wd = f.dequantize(f.quantize(w)).astype(np.float64)
+    x = rng.standard_normal((1, 1, K)).astype("float32")
+    x[..., 7] = 1e4
+    vm = _scheduled_matmul(K, N, "q4_k", "vnni", (tvm.tirx.Var("n", "int64"), 1, K))
+    dev = tvm.cpu()
+    got = vm["main"](tvm.runtime.tensor(x, dev), *[tvm.runtime.tensor(a, dev) for a in stored_np(w, "q4_k", "vnni")])
+    y = fake_quantize_activation(x, 8).astype(np.float64) @ wd.T
+    ref = y / (1 + np.exp(-y))
+    assert np.abs(wd[:, 7]).max() < 0.1  # next to its group's scale and minimum terms (~0.5 x 1e4) a small term
+    assert np.abs(got.numpy() - ref).max() < 3e-4 * np.abs(ref).max(), np.abs(got.numpy() - ref).max()
 
 
 # (LLVM CPU, its int8 dot-product instructions, format, activation bits): AVX2 every format at
@@ -231,17 +257,25 @@ def test_vnni_layout_holds_unsigned_values_in_tiles():
     st8 = f8.quantize(w)
     wp8 = pack_vnni(f8, st8)[0]
     assert wp8.shape == (3, 6, 8, 64) and wp8[1, 1, 3, 1 * 4 + 2] == int(st8["q"][17, 32 + 14]) + 128
-    # q4_k: 6-bit sc and mn at 12 bits per group (an odd group count: the last hi byte half used)
+    # q4_k: 6-bit sc and mn at 12 bits per group, in pairs of groups within a super-block (an odd
+    # super-block, K = 96 and 480: its last pair padded with a zero group)
     fk = FORMATS["q4_k"]
-    for K in (96, 256, 576):
+    for K, pairs in ((96, 2), (256, 4), (480, 9), (576, 9)):
         stk = fk.quantize(_weights(48, K))
         arrays = pack_vnni(fk, stk)
-        lo, hi = arrays[1], arrays[2]
+        sl, mh = arrays[1], arrays[2]
         assert [(list(a.shape), str(a.dtype)) for a in arrays] == packed_shapes(fk, 48, K, "vnni")
-        # (tiles, groups, 16 rows) -> (rows, groups)
-        sc, mn = unpack_kquant_codes(lo.transpose(0, 2, 1), hi.transpose(0, 2, 1), K // 32)
-        assert np.array_equal(sc.reshape(48, -1), stk["sc"]) and np.array_equal(mn.reshape(48, -1), stk["mn"])
+        assert sl.shape == (3, pairs, 16) and mh.shape == (3, pairs, 32) and kquant_pairs(K) == pairs
+        # (tiles, pairs, 16 rows [x 2]) -> (rows, pairs [, 2])
+        sc, mn = unpack_kquant_codes(sl.transpose(0, 2, 1).reshape(48, -1),
+                                     mh.reshape(3, pairs, 16, 2).transpose(0, 2, 1, 3).reshape(48, pairs, 2),
+                                     super_groups(K), K // 32)
+        assert np.array_equal(sc, stk["sc"]) and np.array_equal(mn, stk["mn"])
         assert stk["sc"].max() > 15 and stk["mn"].max() > 15  # the top bits are exercised
+        # row 17 (tile 1, lane 1), group 1 (the odd one of pair 0): its scale's low nibble in sl's
+        # high nibble, its minimum in mh's second byte of the row with the scale's top bits above
+        assert sl[1, 0, 1] >> 4 == stk["sc"][17, 1] & 15
+        assert mh[1, 0, 2 * 1 + 1] == stk["mn"][17, 1] | (stk["sc"][17, 1] >> 4) << 6
     # q3_k / q5_k / q6_k: the codes in fields of chunks (unpack_fields: what the kernel ORs back), the
     # same tile order; row 17, input 32 + 4*3 + 2 is tile 3's byte 1*4+2 of tile row 1, group 1
     for name, chunks in (("q3_k", 3), ("q5_k", 5), ("q6_k", 6)):
@@ -261,7 +295,7 @@ def test_vnni_layout_holds_unsigned_values_in_tiles():
         assert np.array_equal(unpack_fields(pack_fields(codes, bits), bits), codes)
     assert stored_bits("q4_k", 48, 256, "vnni") == 4.5 and stored_bits("q4_k", 48, 256, "rows") == 6.0
     assert stored_bits("q6_k", 48, 256, "vnni") == 6.5 and stored_bits("q6_k", 48, 256, "rows") == 10.0
-    assert stored_bits("q4_k", 48, 96, "vnni") == 4 + (3 + 2) * 8 / 96 + 32 / 96  # S = 3, padded hi
+    assert stored_bits("q4_k", 48, 96, "vnni") == 4 + 2 * 3 * 8 / 96 + 32 / 96  # S = 3: 2 pairs, one padded
     assert stored_bits("q8_0", 48, 256, "vnni") == 8.5 and stored_bits("float", 48, 256, "rows") == 32
 
 

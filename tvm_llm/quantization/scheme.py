@@ -25,7 +25,7 @@ Kernel layouts (`pack`), packed from the canonical stored arrays of formats.Weig
             (w = q * scale + offset). The group scale and offset of a k-quant are its d * sc
             and -dmin * mn, exact in float32.
     "vnni"  int8 / int16 activations: see schedules/cpu/int8_act_matmul.py. Group scales and offsets
-            stay float16 (q4_k: its 6-bit sc and mn packed at 12 bits per group, pack_kquant_codes,
+            stay float16 (k-quants: 6-bit sc and mn packed at 12 bits per group, pack_kquant_codes,
             and float16 d, dmin per super-block), so this layout stores the formats' nominal bits
             (q4_k 4.5 for K a multiple of 256); "rows" stores q4_k at 6.0 (stored_bits).
             A group's 8 tiles of 16 rows take `bits` 64-byte chunks (vnni_chunks); FIELDS says
@@ -173,8 +173,9 @@ def pack_vnni(fmt: WeightFormat, st: dict) -> list:
         return np.ascontiguousarray(a.reshape(NT, TILE_N, a.shape[1]).transpose(0, 2, 1))
 
     if fmt.kind == "kquant":
-        lo, hi = pack_kquant_codes(st["sc"], st["mn"])
-        return out + [per_tile(lo), per_tile(hi), per_tile(st["d"]), per_tile(st["dmin"])]
+        sl, mh = pack_kquant_codes(st["sc"], st["mn"], super_groups(K))
+        mh = np.ascontiguousarray(mh.reshape(NT, TILE_N, -1, 2).transpose(0, 2, 1, 3).reshape(NT, -1, 2 * TILE_N))
+        return out + [per_tile(sl), mh, per_tile(st["d"]), per_tile(st["dmin"])]
     keys = {"sym": ["d"], "asym": ["d", "m"]}[fmt.kind]
     return out + [per_tile(st[k]) for k in keys]
 
@@ -250,28 +251,53 @@ def unpack_fields(chunks: np.ndarray, bits: int) -> np.ndarray:
     return tiles
 
 
-def pack_kquant_codes(sc: np.ndarray, mn: np.ndarray) -> tuple:
-    """q4_k's 6-bit group scales and minimums (N, NG) at 12 bits per group (module docstring):
-    lo (N, NG) uint8 = sc & 15 | (mn & 15) << 4 and hi (N, ceil(NG / 2)) uint8, whose byte p
-    holds the top 2 + 2 bits of groups 2p (bits 0-3: sc >> 4, then mn >> 4) and 2p + 1 (bits
-    4-7). An odd NG leaves the last byte's high half zero."""
+def kquant_pairs(K: int) -> int:
+    """Group pairs per row of a k-quant weight in the "vnni" layout: ceil(S / 2) per
+    super-block of S groups (an odd S pads each super-block's last pair with a zero group, so
+    that no pair spans two super-blocks' dmin)."""
+    S = super_groups(K)
+    return (K // GROUP // S) * ((S + 1) // 2)
+
+
+def pack_kquant_codes(sc: np.ndarray, mn: np.ndarray, S: int) -> tuple:
+    """A k-quant's 6-bit group scales and minimums (N, NG) at 12 bits per group, per pair of
+    groups (g0, g1) = (2j, 2j + 1) of a super-block of S (kquant_pairs; an odd S pads g1 with
+    zeros):
+        sl (N, pairs) uint8     sc[g0] & 15 | (sc[g1] & 15) << 4
+        mh (N, pairs, 2) uint8  mn[g] | (sc[g] >> 4) << 6 for g0, g1
+    so that the kernel reads a pair's minimums as int16 pairs (mh zero-extended, masked to 6
+    bits) for one int16 dot product (vpdpwssd) and each scale as an int32 lane in 2-3 shifts and
+    masks (schedules/cpu/int8_act_matmul.py)."""
     sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
     if sc.max(initial=0) > 63 or mn.max(initial=0) > 63:
-        raise ValueError("q4_k group codes must be 6-bit (0..63)")
+        raise ValueError("k-quant group codes must be 6-bit (0..63)")
     N, NG = sc.shape
-    lo = (sc & 15) | ((mn & 15) << 4)
-    top = (sc >> 4) | ((mn >> 4) << 2)  # 4 bits per group
-    if NG % 2:
-        top = np.concatenate([top, np.zeros((N, 1), np.uint8)], axis=1)
-    hi = top[:, 0::2] | (top[:, 1::2] << 4)
-    return np.ascontiguousarray(lo.astype(np.uint8)), np.ascontiguousarray(hi.astype(np.uint8))
+    P = (S + 1) // 2
+
+    def paired(a):  # (N, NG) -> (N, NG / S, P, 2), odd S padded with a zero group
+        a = a.reshape(N, NG // S, S)
+        if S % 2:
+            a = np.concatenate([a, np.zeros((N, NG // S, 1), np.uint8)], axis=2)
+        return a.reshape(N, NG // S * P, 2)
+
+    sc2, mn2 = paired(sc), paired(mn)
+    sl = (sc2[..., 0] & 15) | ((sc2[..., 1] & 15) << 4)
+    mh = mn2 | ((sc2 >> 4) << 6)
+    return np.ascontiguousarray(sl.astype(np.uint8)), np.ascontiguousarray(mh.astype(np.uint8))
 
 
-def unpack_kquant_codes(lo: np.ndarray, hi: np.ndarray, NG: int) -> tuple:
-    """(sc, mn) (..., NG) uint8 from pack_kquant_codes' (lo, hi) along their last axis: the
-    numpy statement of what the int8-activation kernel unpacks per group and tile."""
-    top = (hi[..., np.arange(NG) // 2] >> ((np.arange(NG) % 2) * 4).astype(np.uint8)) & 15
-    return (lo & 15) | ((top & 3) << 4), (lo >> 4) | ((top >> 2) << 4)
+def unpack_kquant_codes(sl: np.ndarray, mh: np.ndarray, S: int, NG: int) -> tuple:
+    """(sc, mn) (N, NG) uint8 from pack_kquant_codes' (sl, mh): the numpy statement of what
+    the int8-activation kernel unpacks."""
+    N = sl.shape[0]
+    P = (S + 1) // 2
+    sc = np.stack([sl & 15, sl >> 4], axis=-1) | ((mh >> 6) << 4)
+    mn = mh & 63
+
+    def unpaired(a):  # (N, pairs, 2) -> (N, NG), the padding dropped
+        return a.reshape(N, NG // S, 2 * P)[..., :S].reshape(N, NG)
+
+    return unpaired(sc).astype(np.uint8), unpaired(mn).astype(np.uint8)
 
 
 def vnni_applies(N: int, K: int) -> bool:
@@ -308,7 +334,8 @@ def packed_shapes(fmt: WeightFormat, N: int, K: int, layout: str) -> list:
         out = [([NT, NG, vnni_chunks(fmt.bits), 64], "uint8")]
         if fmt.kind == "kquant":
             NS = NG // super_groups(K)
-            return out + [([NT, NG, TILE_N], "uint8"), ([NT, (NG + 1) // 2, TILE_N], "uint8")] \
+            NP = kquant_pairs(K)
+            return out + [([NT, NP, TILE_N], "uint8"), ([NT, NP, 2 * TILE_N], "uint8")] \
                 + [([NT, NS, TILE_N], "float16")] * 2
         return out + [([NT, NG, TILE_N], "float16")] * (1 if fmt.kind == "sym" else 2)
     first = ([N, K], "int8" if fmt.bits == 8 else "uint8") if bytes_rows(fmt) else ([N, NG, 16], "uint8")

@@ -62,11 +62,12 @@ def test_a_missing_head_tensor_is_an_error():
 
 def test_q4_k_head_in_the_int8_layout_is_its_packed_tensors_at_stored_bits():
     """q4_k in the int8-activation layout: nibbles, 6-bit codes packed at 12 bits per group
-    (lo per group, hi per pair of groups) and float16 super-scales per 6 groups (K = 576)."""
+    (per pair of groups: a byte of scale nibbles and two bytes of minimums and scale tops) and
+    float16 super-scales per 6 groups (K = 576)."""
     from tvm_llm.quantization.scheme import stored_bits
 
-    head = [_p("head", (V // 16, 18, 4, 64), "uint8"), _p("head.lo", (V // 16, 18, 16), "uint8"),
-            _p("head.hi", (V // 16, 9, 16), "uint8"), _p("head.d", (V // 16, 3, 16), "float16"),
+    head = [_p("head", (V // 16, 18, 4, 64), "uint8"), _p("head.sl", (V // 16, 9, 16), "uint8"),
+            _p("head.mh", (V // 16, 9, 32), "uint8"), _p("head.d", (V // 16, 3, 16), "float16"),
             _p("head.dmin", (V // 16, 3, 16), "float16")]
     q = {"lm_head.weight": {"format": "q4_k", "activations": "int8"}}
     all_bytes, head_bytes = bench_quality.stored_bytes(BODY_Q4 + head, V, H, q)

@@ -317,10 +317,11 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     NP = NS * P
     # k-quant decode's minimum term as int16 dot products (vpdpwssd, below); without VNNI in float
     int_minimum = kind == "kquant" and dot == "vnni"
+    QMAX = ACTIVATION_QMAX[act_bits]  # |q| bound of an activation block (16-bit: q = hi * 256 + lo)
     # k-quants multiply a group's int32 dot product by its 6-bit scale in int32 where that cannot
     # overflow: |dot| <= 32 * code max * QMAX, times 63 (6-bit codes at 16-bit activations would
     # not fit: 32 * 63 * 32512 * 63 > 2^31)
-    int_scale = 32 * ((1 << fmt.bits) - 1) * (127 * 256 if act_bits == 16 else 127) * 63 < 2**31
+    int_scale = 32 * ((1 << fmt.bits) - 1) * QMAX * 63 < 2**31
     # decode unrolls U groups per block: a q4_k super-block, else the largest divisor <= 8
     U = S if kind == "kquant" else next(u for u in range(8, 0, -1) if NG % u == 0)
     off = 8.0 if (kind == "sym" and four) else (128.0 if kind == "sym" else 0.0)
@@ -333,7 +334,6 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
     # <= 2 x code max x 128: 8 tiles for 3 and 4-bit codes, 4 for 5-bit, 2 for 6-bit)
     widen_every = min(8, 32767 // (2 * ((1 << fmt.bits) - 1) * 128)) if nibble_planes else 8
     wide = act_bits == 16
-    QMAX = ACTIVATION_QMAX[act_bits]  # |q| bound of an activation block (16-bit: q = hi * 256 + lo)
 
     @T.macro
     def prefetch(wp, nt, g, locality):
@@ -419,31 +419,23 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
         """The codes of group g's pair for the tile's 16 rows as int32x16 lanes: sl's byte and
         mh's two bytes (as int16 halves: the pair's minimums for vpdpwssd once masked), and
         which of the pair g is. g: an expression (the batched path) or, in decode, (u, j, odd):
-        super-block u's group j and which of its pair it is as a Python int, so that the shifts
-        are constants."""
+        super-block u's group j and which of its pair it is (a Python int where the statement
+        fixes it, so that the shifts are constants)."""
         if isinstance(g, tuple):
             u, j, odd = g
             pair = u * P + j // 2
-            sl = T.Cast("int32x16", p0[nt, pair, T.Ramp(0, 1, TILE_N)])
-            mh = T.reinterpret("int32x16", T.Cast("int16x32", p1[nt, pair, T.Ramp(0, 1, 2 * TILE_N)]))
-            return sl, mh, odd
-        pair = (g // S) * P + (g % S) // 2
+        else:
+            pair, odd = (g // S) * P + (g % S) // 2, (g % S) % 2
         sl = T.Cast("int32x16", p0[nt, pair, T.Ramp(0, 1, TILE_N)])
         mh = T.reinterpret("int32x16", T.Cast("int16x32", p1[nt, pair, T.Ramp(0, 1, 2 * TILE_N)]))
-        return sl, mh, (g % S) % 2
+        return sl, mh, odd
 
     def kquant_code(p0, p1, nt, g, which, as_int=False):
         """A k-quant's 6-bit sc (which = 0) or mn (1) of the tile's 16 rows for group g, as
         float32x16 (int32x16 with as_int), from pack_kquant_codes' pairs: sc is sl's nibble
         ORed with mh's top 2 bits moved to bits 4-5 (2-3 instructions), mn mh's low 6 bits."""
         sl, mh, odd = kquant_pair(p0, p1, nt, g)
-        if isinstance(odd, int):  # decode: shifts by constants; the odd group needs one mask less
-            if which == 0:
-                top = T.bitwise_and(T.shift_right(mh, i32(18 if odd else 2)), i32(0x30))
-                code = T.bitwise_or(top, T.shift_right(sl, i32(4)) if odd else T.bitwise_and(sl, i32(15)))
-            else:
-                code = T.bitwise_and(T.shift_right(mh, i32(16)) if odd else mh, i32(63))
-        elif which == 0:
+        if which == 0:
             code = T.bitwise_or(T.bitwise_and(T.shift_right(mh, i32(2 + 16 * odd)), i32(0x30)),
                                 T.bitwise_and(T.shift_right(sl, i32(4 * odd)), i32(15)))
         else:
@@ -549,7 +541,7 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
 
     def kquant_sum(wp, p0, p1, p2, p3, xq, xs, xo, nt, u, groups, xm=None):
         """Decode, k-quants: the tile's 16 sums over `groups` ((j, odd): group u * S + j, odd
-        which of its pair, a Python int) of super-block u as one expression, with d and dmin
+        which of its pair; with xm a Python int) of super-block u as one expression, with d and dmin
         applied once to the groups' sums,
             d * sum_g (acc_g * sc_g) * xs_g  -  dmin * sum_g mn_g * (xs * xsum)_g.
         acc_g * sc_g is an int32 product (one vpmulld where a float scale took a convert and a
@@ -574,19 +566,23 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
         firsts = [j for j, odd in groups if odd == 0] if xm is not None else []
         if firsts:
             xoq, xso = xm
+            def minimums(j):  # the pair's two minimums per row, int16 lanes
+                _, mh, _ = kquant_pair(p0, p1, nt, (u, j, 0))
+                return T.reinterpret("int16x32", T.bitwise_and(mh, i32(0x3F003F)))
+
+            mns = [minimums(j) for j in firsts]
             halves = []
             for half in range(2):  # the high and low 15 bits of each xs * xsum
                 acc = T.Broadcast(T.int32(0), TILE_N)
-                for j in firsts:
-                    _, mh, _ = kquant_pair(p0, p1, nt, (u, j, 0))
+                for j, mn in zip(firsts, mns):
                     pair = u * (2 * P) + j  # the pair's two values, as one int32 to broadcast
                     acc = T.call_llvm_pure_intrin(
-                        "int32x16", "llvm.x86.avx512.vpdpwssd.512", acc,
-                        T.reinterpret("int16x32", T.bitwise_and(mh, i32(0x3F003F))),
-                        T.reinterpret("int16x32", T.Broadcast(T.reinterpret("int32", xoq[half][0, T.Ramp(pair, 1, 2)]),
-                                                              TILE_N)))
+                        "int32x16", "llvm.x86.avx512.vpdpwssd.512", acc, mn,
+                        T.reinterpret("int16x32",
+                                      T.Broadcast(T.reinterpret("int32", xoq[half, T.Ramp(pair, 1, 2)]), TILE_N)))
                 halves.append(T.Cast("float32x16", acc))
-            minimum = (halves[0] * T.Broadcast(T.float32(32768), TILE_N) + halves[1]) * T.Broadcast(xso[0, u], TILE_N)
+            minimum = (halves[0] * T.Broadcast(T.float32(32768), TILE_N) + halves[1]) \
+                * T.Broadcast(xso[0, u], TILE_N)
         main = T.Cast("float32x16", p2[nt, u, T.Ramp(0, 1, TILE_N)]) * main
         if minimum is None:
             return main
@@ -612,11 +608,11 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
                 if j < S:
                     v = T.meta_var(T.Cast("int32", T.nearbyint(xo[0, s * S + j] * T.Select(
                         amax[0] > T.float32(0), T.float32(32767 * 32768) / amax[0], T.float32(0)))))
-                    xoq[0][0, s * (2 * P) + j] = T.Cast("int16", T.shift_right(v, T.int32(15)))
-                    xoq[1][0, s * (2 * P) + j] = T.Cast("int16", T.bitwise_and(v, T.int32(32767)))
+                    xoq[0, s * (2 * P) + j] = T.Cast("int16", T.shift_right(v, T.int32(15)))
+                    xoq[1, s * (2 * P) + j] = T.Cast("int16", T.bitwise_and(v, T.int32(32767)))
                 else:
-                    xoq[0][0, s * (2 * P) + j] = T.int16(0)
-                    xoq[1][0, s * (2 * P) + j] = T.int16(0)
+                    xoq[0, s * (2 * P) + j] = T.int16(0)
+                    xoq[1, s * (2 * P) + j] = T.int16(0)
 
     def block_sum(wp, p0, p1, xq, xs, xo, nt, u, h, p2, p3, xm, first_odd):
         """kquant_sum over groups u * U + h * V ... + V - 1 of super-block u (h a loop
@@ -709,7 +705,7 @@ def int8_act_matmul_func(fmt, K: int, N: int | None, out_dtype: str = "float32",
                 quantize_row(x, xq, xs, xo, r, B)
         # 2. tiles of 16 rows in parallel; each group's tiles unpacked once for all rows of x
         if A * B == 1 and out_dtype == "float32" and kind == "kquant":
-            xoq = (T.alloc_buffer((1, 2 * NP), "int16"), T.alloc_buffer((1, 2 * NP), "int16"))
+            xoq = T.alloc_buffer((2, 2 * NP), "int16")  # row 0's high and low halves
             xso = T.alloc_buffer((1, NS), "float32")
             if int_minimum:
                 minimum_scales(xo, xoq, xso)
